@@ -1,0 +1,261 @@
+"""The ``autotune`` command line.
+
+Imports stay inside the commands: ``autotune --help`` loads neither torch nor
+optuna, and bad input is refused before any of them is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from autotune import __version__
+from autotune.errors import UsageError
+from autotune.storage import DEFAULT_STORAGE
+
+DEFAULT_TRIALS = 20
+DEFAULT_TRIAL_TIMEOUT_S = 300.0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be greater than 0")
+    return value
+
+
+def _add_study_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--storage", default=DEFAULT_STORAGE, help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
+    parser.add_argument("--study-name", help="study to read (default: the only study in the storage)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="autotune",
+        description="Find the fastest PyTorch FSDP configuration for a model, world size and per-GPU memory budget.",
+    )
+    parser.add_argument("--version", action="version", version=f"autotune {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run",
+        help="tune: launch one short torchrun FSDP job per trial and keep every result",
+        description=(
+            "Run (or resume) an Optuna study that maximizes tokens/s over the search space. Each trial "
+            "is one torchrun job; configurations whose peak memory exceeds the budget are infeasible. "
+            "Rerunning the same command continues the same study."
+        ),
+    )
+    run.add_argument("--mem-budget", required=True, metavar="SIZE",
+                     help="per-rank memory budget, with a unit: 20GB = 20*10^9 bytes, 20GiB = 20*2^30; also MB, MiB, TB, TiB (required)")
+    run.add_argument("--model", default="llama-tiny",
+                     help="a preset (llama-tiny, llama-1b, llama-7b, llama-8b, llama-70b), a transformers config.json path, "
+                          "or module:function returning a torch module (default: llama-tiny, the CPU default)")
+    run.add_argument("--nproc", type=_positive_int, default=None,
+                     help="ranks per trial (default: the number of visible GPUs, or 2 on a host with none)")
+    run.add_argument("--seq-len", type=_positive_int, default=None,
+                     help="tokens per sample (default: 256 for llama-tiny, else 2048)")
+    run.add_argument("--space", default="default",
+                     help="search space YAML file, or a built-in name: default, smoke (default: default)")
+    run.add_argument("--trials", type=_positive_int, default=DEFAULT_TRIALS,
+                     help=f"trials to launch in this run; pruned and reused ones do not count (default: {DEFAULT_TRIALS})")
+    run.add_argument("--trial-timeout", type=_positive_float, default=DEFAULT_TRIAL_TIMEOUT_S, metavar="SECONDS",
+                     help=f"kill a trial's whole torchrun job after this long and record it as a timeout (default: {DEFAULT_TRIAL_TIMEOUT_S:g})")
+    run.add_argument("--study-name", default=None,
+                     help="study to create or resume (default: derived from model, ranks, seq len and budget)")
+    run.add_argument("--storage", default=DEFAULT_STORAGE,
+                     help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
+    run.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the synthetic data (default: 0)")
+    run.add_argument("--warmup-steps", type=_positive_int, default=2, help="untimed steps before timing (default: 2)")
+    run.add_argument("--timed-steps", type=_positive_int, default=6,
+                     help="timed steps; tokens/s uses their median step time (default: 6)")
+    run.add_argument("--wrap-class", action="append", default=[], metavar="CLASS",
+                     help="class name of the model's repeated block, for wrapping and checkpointing; repeat for "
+                          "several (default: the model's _no_split_modules)")
+    run.add_argument("--quiet", action="store_true", help="print only the final summary")
+
+    trials = commands.add_parser("trials", help="show the trials of a study",
+                                 description="List a study's trials: outcome, tokens/s, peak memory, configuration, and why any trial failed or was pruned.")
+    _add_study_args(trials)
+    trials.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: table)")
+
+    export = commands.add_parser("export", help="write the best feasible configuration",
+                                 description="Export the best feasible trial (or --trial N) as autotune.fsdp-config/v1 JSON.")
+    _add_study_args(export)
+    export.add_argument("-f", "--format", choices=("json",), default="json", help="output format (default: json)")
+    export.add_argument("-o", "--output", default=None, metavar="FILE", help="file to write (default: stdout)")
+    export.add_argument("--trial", type=int, default=None, metavar="N", help="export trial N instead of the best")
+
+    measure = commands.add_parser("measure", help="measure one configuration again, outside any study",
+                                  description="Launch one trial from an exported JSON file (or a trial's config.json) and print its result.")
+    measure.add_argument("file", help="exported best_config.json, or a trial's config.json")
+    measure.add_argument("--nproc", type=_positive_int, default=None, help="ranks (default: the measured world size, else 2)")
+    measure.add_argument("--trial-timeout", type=_positive_float, default=DEFAULT_TRIAL_TIMEOUT_S, metavar="SECONDS",
+                         help=f"kill the job after this long (default: {DEFAULT_TRIAL_TIMEOUT_S:g})")
+    measure.add_argument("--output-dir", default=None, help="where the trial's files go (default: a new temporary folder)")
+    return parser
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from autotune.host import probe
+    from autotune.presets import default_seq_len, parse_model_spec
+    from autotune.space import load_space
+    from autotune.storage import check_storage_url
+    from autotune.units import parse_memory
+
+    budget = parse_memory(args.mem_budget)
+    spec = parse_model_spec(args.model)
+    space = load_space(args.space)
+    check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
+    host, model = probe(args.model, tuple(args.wrap_class))
+    nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
+    if nproc > host.device_count:
+        what = f"{host.cuda_device_count} GPUs" if host.device_type == "cuda" else f"{host.cpu_count} CPU cores and no GPU"
+        raise UsageError(f"--nproc {nproc}: this host has {what}; use --nproc {host.device_count} or fewer")
+    seq_len = args.seq_len or default_seq_len(spec)
+
+    from autotune.study import RunSettings, default_study_name, run_study
+    from autotune.summary import summarize
+
+    budget_text = args.mem_budget.replace(" ", "")
+    settings = RunSettings(
+        model=args.model if spec.kind != "config_file" else spec.value,
+        model_label=spec.label,
+        nproc=nproc,
+        seq_len=seq_len,
+        budget_bytes=budget,
+        budget_text=budget_text,
+        space=space,
+        trials=args.trials,
+        trial_timeout_s=args.trial_timeout,
+        study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text),
+        storage_url=args.storage,
+        seed=args.seed,
+        warmup_steps=args.warmup_steps,
+        timed_steps=args.timed_steps,
+        quiet=args.quiet,
+    )
+    if not args.quiet:
+        print(
+            f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "
+            f"on {nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {seq_len}, "
+            f"budget {budget_text} per rank; study {settings.study_name} in {settings.storage_url}",
+            file=sys.stderr,
+        )
+    study, tuner, elapsed = run_study(settings, host, model)
+    return summarize(study, tuner, settings, elapsed)
+
+
+def _open_study(args: argparse.Namespace):
+    import optuna
+
+    from autotune.storage import check_storage_url, open_storage, resolve_study_name
+
+    check_storage_url(args.storage, create_dirs=False)
+    name = resolve_study_name(args.storage, args.study_name)
+    return optuna.load_study(study_name=name, storage=open_storage(args.storage))
+
+
+def cmd_trials(args: argparse.Namespace) -> int:
+    from autotune.tables import trial_record, trials_table
+
+    study = _open_study(args)
+    budget = study.user_attrs.get("identity", {}).get("budget_bytes")
+    records = [trial_record(t, budget) for t in study.get_trials(deepcopy=False)]
+    if args.format == "json":
+        print(json.dumps({"study": study.study_name, "budget_bytes": budget, "trials": records}, indent=2))
+    else:
+        print(f"Study {study.study_name} (budget {study.user_attrs.get('budget')}): {len(records)} trials")
+        print(trials_table(records))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from optuna.trial import TrialState
+
+    from autotune.export import build_export, write_export
+    from autotune.study import best_feasible
+
+    study = _open_study(args)
+    if args.trial is None:
+        trial = best_feasible(study)
+        if trial is None:
+            raise UsageError(f"study {study.study_name} has no feasible trial yet; see 'autotune trials'")
+    else:
+        matches = [t for t in study.get_trials(deepcopy=False) if t.number == args.trial]
+        if not matches or matches[0].state != TrialState.COMPLETE or "tokens_per_s" not in matches[0].user_attrs:
+            raise UsageError(f"--trial {args.trial}: no measured trial with that number in {study.study_name}")
+        trial = matches[0]
+    write_export(build_export(study, trial, args.storage), args.output)
+    return 0
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from autotune.config import ConfigError, TrialRequest
+    from autotune.export import SCHEMA, request_from_export
+    from autotune.launcher import launch_trial
+
+    try:
+        doc = json.loads(Path(args.file).read_text())
+        if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
+            request = request_from_export(doc)
+            nproc = args.nproc or doc.get("measured", {}).get("world_size") or 2
+        else:
+            request = TrialRequest.from_dict(doc)
+            nproc = args.nproc or 2
+    except (OSError, json.JSONDecodeError, ConfigError, KeyError, TypeError) as exc:
+        raise UsageError(f"{args.file}: not an exported configuration or trial config ({exc})") from None
+    trial_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="autotune-measure-"))
+    device_type = "cuda" if request.device == "cuda" else "cpu"
+    outcome = launch_trial(request, trial_dir, nproc, args.trial_timeout, device_type)
+    result = outcome.result
+    print(json.dumps({"status": result.status, "tokens_per_s": result.tokens_per_s, "peak_memory_bytes": result.peak_memory_bytes,
+                      "step_time_cv": result.step_time_cv, "wall_s": round(outcome.wall_s, 2), "trial_dir": str(trial_dir),
+                      "error": result.error}, indent=2))
+    return 0 if result.status == "ok" else 1
+
+
+COMMANDS = {"run": cmd_run, "trials": cmd_trials, "export": cmd_export, "measure": cmd_measure}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"autotune {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # Output piped into head or less that closed early: not an error.
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: every finished trial is saved; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""The one configuration vocabulary shared by the driver and the worker.
+
+Both sides import this module, so it imports neither torch nor optuna. The driver
+writes a :class:`TrialRequest` to ``config.json``; the worker answers with a
+:class:`TrialResult` in ``result.json``. Every value is validated on the way in,
+so an impossible combination is refused with its reason before any process
+starts, and both files round-trip through JSON unchanged.
+
+>>> cfg = FsdpConfig(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP")
+>>> cfg.reshard_after_forward
+False
+>>> FsdpConfig.from_dict(cfg.to_dict()) == cfg
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+FSDP_VERSIONS = (1, 2)
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+AUTO_WRAP_POLICIES = ("transformer_layer", "size_based", "none")
+MIXED_PRECISIONS = ("fp32", "bf16", "bf16_fp32_reduce", "fp16")
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_other_layer")
+BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "none")
+
+# Which strategies keep parameters sharded after forward. FSDP2 spells the same
+# choice as ``reshard_after_forward``; keeping one table makes the two agree.
+RESHARD_AFTER_FORWARD = {
+    "FULL_SHARD": True,
+    "HYBRID_SHARD": True,
+    "SHARD_GRAD_OP": False,
+    "HYBRID_SHARD_ZERO2": False,
+    "NO_SHARD": False,
+}
+HYBRID_STRATEGIES = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+
+TRIAL_STATUSES = ("ok", "oom", "crash", "timeout", "aborted")
+
+
+class ConfigError(ValueError):
+    """A value or a combination the vocabulary does not allow; the message says why."""
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    # bool is an int subclass: fsdp_version=True must not pass as 1.
+    if isinstance(value, bool) and not all(isinstance(a, bool) for a in allowed):
+        raise ConfigError(f"{name}={value!r} is not allowed; choose one of {list(allowed)}")
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def _check_type(name: str, value: Any, kind: type) -> None:
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{name}={value!r} must be an integer")
+    if kind is bool and not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be true or false")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{name}={value!r} must be a number")
+    if kind is str and not isinstance(value, str):
+        raise ConfigError(f"{name}={value!r} must be a string")
+
+
+def _from_mapping(cls: type, data: Mapping[str, Any], what: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{what} must be a JSON object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{what} has unknown key(s) {unknown}; known keys: {sorted(names)}")
+    return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    """One FSDP configuration: what the tuner searches over and what it exports.
+
+    Field names follow PyTorch's FSDP1 arguments; where FSDP2 has no such argument
+    the worker maps the field onto FSDP2's own mechanism (a 2-D mesh for NO_SHARD
+    and hybrid sharding, ``reshard_after_forward`` for the strategy, explicit
+    ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``).
+    """
+
+    fsdp_version: int = 2
+    sharding_strategy: str = "FULL_SHARD"
+    auto_wrap_policy: str = "transformer_layer"
+    # Class names of the model's repeated block; empty means "the model's
+    # ``_no_split_modules``", resolved by the driver's model probe before export.
+    transformer_layer_cls: tuple[str, ...] = ()
+    min_num_params: int = 100_000_000
+    mixed_precision: str = "fp32"
+    activation_checkpointing: str = "none"
+    forward_prefetch: bool = False
+    backward_prefetch: str = "BACKWARD_PRE"
+    limit_all_gathers: bool = True
+    cpu_offload: bool = False
+    micro_batch_size: int = 1
+    # Derived from sharding_strategy when left as None; given explicitly it must agree.
+    reshard_after_forward: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.transformer_layer_cls, str):
+            object.__setattr__(self, "transformer_layer_cls", (self.transformer_layer_cls,))
+        elif isinstance(self.transformer_layer_cls, list):
+            object.__setattr__(self, "transformer_layer_cls", tuple(self.transformer_layer_cls))
+        self._validate()
+        if self.reshard_after_forward is None:
+            object.__setattr__(
+                self, "reshard_after_forward", RESHARD_AFTER_FORWARD[self.sharding_strategy]
+            )
+
+    def _validate(self) -> None:
+        _check_choice("fsdp_version", self.fsdp_version, FSDP_VERSIONS)
+        _check_choice("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
+        _check_choice("auto_wrap_policy", self.auto_wrap_policy, AUTO_WRAP_POLICIES)
+        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        _check_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
+        _check_choice("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
+        for name in ("forward_prefetch", "limit_all_gathers", "cpu_offload"):
+            _check_type(name, getattr(self, name), bool)
+        for name in ("min_num_params", "micro_batch_size"):
+            _check_type(name, getattr(self, name), int)
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        for cls_name in self.transformer_layer_cls:
+            if not isinstance(cls_name, str) or not cls_name.isidentifier():
+                raise ConfigError(f"transformer_layer_cls entry {cls_name!r} is not a class name")
+        if self.reshard_after_forward is not None:
+            _check_type("reshard_after_forward", self.reshard_after_forward, bool)
+            implied = RESHARD_AFTER_FORWARD[self.sharding_strategy]
+            if self.reshard_after_forward != implied:
+                raise ConfigError(
+                    f"reshard_after_forward={self.reshard_after_forward} contradicts "
+                    f"sharding_strategy={self.sharding_strategy}, which implies {implied}; "
+                    "choose the strategy and leave reshard_after_forward unset"
+                )
+        if self.fsdp_version == 2:
+            # FSDP2 always prefetches the next module's all-gather before its
+            # backward (an empty explicit list falls back to that default), and it
+            # has no post-backward prefetch and no all-gather rate limiter to turn
+            # off: these FSDP1 knobs have no FSDP2 counterpart.
+            if self.backward_prefetch != "BACKWARD_PRE":
+                raise ConfigError(
+                    f"backward_prefetch={self.backward_prefetch} is FSDP1-only: FSDP2 always "
+                    "prefetches before backward; use BACKWARD_PRE with fsdp_version=2"
+                )
+            if not self.limit_all_gathers:
+                raise ConfigError(
+                    "limit_all_gathers=false is FSDP1-only: FSDP2 bounds in-flight all-gathers "
+                    "itself; leave it true with fsdp_version=2"
+                )
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.sharding_strategy in HYBRID_STRATEGIES
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["transformer_layer_cls"] = list(self.transformer_layer_cls)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FsdpConfig:
+        return _from_mapping(cls, data, "fsdp config")
+
+    def replace(self, **changes: Any) -> FsdpConfig:
+        # reshard_after_forward is derived: let it follow a changed strategy.
+        if "sharding_strategy" in changes and "reshard_after_forward" not in changes:
+            changes["reshard_after_forward"] = None
+        return dataclasses.replace(self, **changes)
+
+    def key(self) -> str:
+        """A canonical string: equal keys mean the same configuration to measure."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def describe(self) -> str:
+        """A short human label, for progress lines and tables."""
+        parts = [
+            f"FSDP{self.fsdp_version}",
+            self.sharding_strategy,
+            {"transformer_layer": "wrap=layer", "size_based": f"wrap>={self.min_num_params:.0e}", "none": "wrap=none"}[self.auto_wrap_policy],
+            self.mixed_precision,
+            f"ac={self.activation_checkpointing}",
+        ]
+        if self.forward_prefetch:
+            parts.append("fwd-prefetch")
+        if self.fsdp_version == 1:
+            parts.append(f"bwd={self.backward_prefetch}")
+            if not self.limit_all_gathers:
+                parts.append("no-limit-ag")
+        if self.cpu_offload:
+            parts.append("offload")
+        parts.append(f"mbs={self.micro_batch_size}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class TrialRequest:
+    """Everything one torchrun job needs: the contents of ``config.json``."""
+
+    fsdp: FsdpConfig
+    model: str = "llama-tiny"
+    seq_len: int = 256
+    warmup_steps: int = 2
+    timed_steps: int = 5
+    seed: int = 0
+    # "auto" picks CUDA + NCCL when GPUs are visible, else CPU + gloo.
+    device: str = "auto"
+    nnodes: int = 1
+    # Stop after warm-up, without timing, when the run is slower than this:
+    # hopeless trials then cost a few steps instead of a whole measurement.
+    abort_below_tokens_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fsdp, Mapping):
+            object.__setattr__(self, "fsdp", FsdpConfig.from_dict(self.fsdp))
+        if not isinstance(self.fsdp, FsdpConfig):
+            raise ConfigError("fsdp must be an FsdpConfig or its dict")
+        _check_type("model", self.model, str)
+        if not self.model:
+            raise ConfigError("model must not be empty")
+        for name in ("seq_len", "timed_steps", "nnodes"):
+            _check_type(name, getattr(self, name), int)
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        _check_type("warmup_steps", self.warmup_steps, int)
+        if self.warmup_steps < 1:
+            raise ConfigError(
+                f"warmup_steps={self.warmup_steps} must be at least 1: the first step "
+                "allocates optimizer state and is never representative"
+            )
+        _check_type("seed", self.seed, int)
+        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        if self.abort_below_tokens_per_s is not None:
+            _check_type("abort_below_tokens_per_s", self.abort_below_tokens_per_s, float)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["fsdp"] = self.fsdp.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrialRequest:
+        return _from_mapping(cls, data, "trial request")
+
+
+@dataclass
+class RankMemory:
+    """Peak memory of one rank, in bytes. CUDA fills both allocator figures; CPU
+    hosts fill ``tracked`` from live tensor storages, since RSS is not device memory."""
+
+    rank: int
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    tracked: int | None = None
+
+    @property
+    def peak(self) -> int:
+        figures = [v for v in (self.peak_reserved, self.tracked, self.peak_allocated) if v is not None]
+        return max(figures) if figures else 0
+
+
+@dataclass
+class TrialResult:
+    """What rank 0 writes to ``result.json``; the driver also fills it in for
+    trials that never produced one (timeout, crash)."""
+
+    status: str
+    tokens_per_s: float | None = None
+    step_time_median_s: float | None = None
+    step_time_p10_s: float | None = None
+    step_time_p90_s: float | None = None
+    step_time_cv: float | None = None
+    tokens_per_step: int | None = None
+    peak_memory_bytes: int | None = None
+    memory_method: str | None = None
+    rank_memory: list[RankMemory] = field(default_factory=list)
+    loss_first: float | None = None
+    loss_last: float | None = None
+    world_size: int | None = None
+    device: str | None = None
+    device_name: str | None = None
+    torch_version: str | None = None
+    transformers_version: str | None = None
+    num_params: int | None = None
+    # Seconds spent in each phase of the worker, to show where a trial's time goes.
+    phases: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    failed_rank: int | None = None
+    exit_code: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("status", self.status, TRIAL_STATUSES)
+        self.rank_memory = [
+            RankMemory(**r) if isinstance(r, Mapping) else r for r in self.rank_memory
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrialResult:
+        return _from_mapping(cls, data, "trial result")
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write JSON so that a reader sees the old file or the whole new one, never half.
+
+    A killed writer leaves at most a stray temporary file, not a truncated result.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,90 @@
+"""What this host can run, learned from the probe subprocess (the driver imports no torch)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.config import FsdpConfig
+from autotune.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    num_params: int
+    layer_classes: tuple[str, ...]
+    num_layers: int
+    vocab_size: int
+    class_name: str
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    device_type: str
+    cuda_device_count: int
+    cpu_count: int
+    device_name: str | None
+    device_memory_bytes: int | None
+    bf16_supported: bool
+    fp16_supported: bool
+    # fp32 matmul time / bf16 matmul time, measured on CPU hosts (None on CUDA).
+    bf16_speedup: float | None
+    torch_version: str
+    transformers_version: str
+
+    @property
+    def device_count(self) -> int:
+        """Devices one trial may use: GPUs, or cores on a CPU host."""
+        return self.cuda_device_count if self.device_type == "cuda" else self.cpu_count
+
+    @property
+    def bf16_is_fast(self) -> bool:
+        if not self.bf16_supported:
+            return False
+        return self.device_type == "cuda" or (self.bf16_speedup or 0) >= 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300) -> tuple[HostInfo, ModelInfo]:
+    """Run ``python -m autotune.worker.probe``; a model it cannot build is a UsageError."""
+    cmd = [sys.executable, "-m", "autotune.worker.probe", "--model", model]
+    for name in wrap_class:
+        cmd += ["--wrap-class", name]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"--model {model}: building it on the meta device took over {timeout_s:.0f}s") from None
+    try:
+        data = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"the host probe failed (exit {done.returncode}): {tail}") from None
+    if "error" in data:
+        raise UsageError(f"--model {model}: {data['error']}")
+    model_data = data["model"]
+    return HostInfo(**data["host"]), ModelInfo(
+        num_params=model_data["num_params"],
+        layer_classes=tuple(model_data["layer_classes"]),
+        num_layers=model_data["num_layers"],
+        vocab_size=model_data["vocab_size"],
+        class_name=model_data["class_name"],
+    )
+
+
+def host_incompatibility(cfg: FsdpConfig, host: HostInfo, nnodes: int = 1) -> str | None:
+    """Why ``cfg`` cannot run on this host, or None. Such configurations are
+    recorded as pruned with this reason instead of being launched."""
+    if cfg.cpu_offload and host.device_type != "cuda":
+        return "cpu_offload needs an accelerator: on a CPU-only host PyTorch refuses it"
+    if cfg.is_hybrid and nnodes < 2:
+        return f"{cfg.sharding_strategy} replicates across nodes and this is one node"
+    if cfg.mixed_precision.startswith("bf16") and not host.bf16_supported:
+        return "bf16 is not supported on this device"
+    if cfg.mixed_precision == "fp16" and not host.fp16_supported:
+        return "fp16 is not supported on this device"
+    return None

@@ -1,0 +1,191 @@
+"""Run one trial as one ``torchrun`` job and classify how it ended.
+
+Each job gets its own process group and dies with the driver, so a timeout or
+a killed tuner leaves no orphans. The outcome comes from exit codes and the
+files the worker writes (``result.json``, ``rank<N>.error.json``), never from
+searching the log for words.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune.config import TrialRequest, TrialResult, write_json_atomic
+
+# Seconds between SIGTERM and SIGKILL when a trial is stopped.
+KILL_GRACE_S = 5.0
+LOG_TAIL_LINES = 15
+
+
+@dataclass
+class LaunchOutcome:
+    result: TrialResult
+    wall_s: float
+    log_path: Path
+    trial_dir: Path
+
+
+def torchrun_command(nproc: int, config_path: Path, trial_dir: Path) -> list[str]:
+    # ``python -m torch.distributed.run`` is torchrun, run by this interpreter,
+    # so the trial uses the same environment as the driver. --standalone keeps
+    # the rendezvous on a free localhost port.
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "autotune.worker", str(config_path), str(trial_dir),
+    ]  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: torchrun gets SIGKILL if the
+    # driver dies, and its workers follow it (see worker.runtime).
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _trial_env(nproc: int, device_type: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["AUTOTUNE_LAUNCHED_AT"] = repr(time.time())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if device_type == "cpu":
+        # Ranks share the cores; more threads than cores makes timings noise.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def process_tree(root_pid: int) -> list[int]:
+    """``root_pid`` and all its descendants, read from /proc.
+
+    torchrun starts each rank in a session of its own, so signalling torchrun's
+    process group does not reach the ranks; walking the tree does.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # The command name may hold spaces; fields after its ")" are fixed.
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_process_tree(proc: subprocess.Popen) -> None:
+    """Stop torchrun and every rank: SIGTERM first so torchrun can shut its
+    workers down, then SIGKILL for anything still alive after a grace period."""
+    tree = process_tree(proc.pid)
+    _signal_all(tree, signal.SIGTERM)
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    # Ranks started after the first snapshot are included by taking it again.
+    _signal_all(sorted(set(tree) | set(process_tree(proc.pid))), signal.SIGKILL)
+    proc.wait()
+
+
+def launch_trial(
+    request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: float, device_type: str = "cpu"
+) -> LaunchOutcome:
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    config_path = trial_dir / "config.json"
+    write_json_atomic(config_path, request.to_dict())
+    log_path = trial_dir / "log.txt"
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            torchrun_command(nproc, config_path, trial_dir),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_trial_env(nproc, device_type),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        try:
+            proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:
+            # Ctrl-C or any other interruption of the driver stops the job too.
+            kill_process_tree(proc)
+            raise
+        finally:
+            if proc.poll() is None or timed_out:
+                kill_process_tree(proc)
+    wall_s = time.perf_counter() - start
+    result = classify(trial_dir, proc.returncode, timed_out, timeout_s, log_path)
+    return LaunchOutcome(result=result, wall_s=wall_s, log_path=log_path, trial_dir=trial_dir)
+
+
+def _log_tail(log_path: Path) -> str:
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s: float, log_path: Path) -> TrialResult:
+    """ok / aborted from ``result.json``; oom / crash from rank error files and
+    exit codes; timeout when the driver had to stop the job."""
+    if timed_out:
+        return TrialResult(status="timeout", error=f"no result within --trial-timeout {timeout_s:.0f}s; the job was killed", exit_code=exit_code)
+    failures = []
+    for path in sorted(trial_dir.glob("rank*.error.json")):
+        try:
+            failures.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    oom = next((f for f in failures if f.get("status") == "oom"), None)
+    if oom is not None:
+        return TrialResult(
+            status="oom",
+            error=oom.get("error"),
+            failed_rank=oom.get("rank"),
+            exit_code=exit_code,
+            peak_memory_bytes=oom.get("peak_reserved"),
+        )
+    result_path = trial_dir / "result.json"
+    if exit_code == 0 and result_path.exists():
+        return TrialResult.from_dict(json.loads(result_path.read_text()))
+    if failures:
+        first = failures[0]
+        return TrialResult(
+            status="crash",
+            error=f"rank {first.get('rank')} failed: {first.get('error')}",
+            failed_rank=first.get("rank"),
+            exit_code=exit_code,
+        )
+    return TrialResult(
+        status="crash",
+        error=f"torchrun exited with code {exit_code} and no rank reported why; log tail:\n{_log_tail(log_path)}",
+        exit_code=exit_code,
+    )

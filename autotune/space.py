@@ -1,0 +1,182 @@
+"""Search spaces: a YAML file of choices per :class:`FsdpConfig` field.
+
+Each key is a field; its value is a list of choices, or one value to hold it
+fixed. Keys left out keep the vocabulary's default. Some fields only apply
+under earlier choices (``min_num_params`` only with ``size_based`` wrapping,
+``backward_prefetch`` and ``limit_all_gathers`` only with FSDP1), so they are
+drawn only then: the sampler never spends a trial on a choice that cannot
+matter, and enumeration counts each distinct configuration once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+from autotune import config as vocab
+from autotune.config import FsdpConfig
+from autotune.errors import UsageError
+
+SEARCH_SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+
+
+@dataclass(frozen=True)
+class Dimension:
+    name: str
+    # Allowed values, or None for "any integer >= 1".
+    allowed: tuple | None
+    kind: type
+    # When this dimension is drawn, given the choices made before it.
+    applies: Callable[[dict[str, Any]], bool] = lambda picked: True
+
+
+# In drawing order: a dimension's condition may only look at earlier ones.
+DIMENSIONS: tuple[Dimension, ...] = (
+    Dimension("fsdp_version", vocab.FSDP_VERSIONS, int),
+    Dimension("sharding_strategy", vocab.SHARDING_STRATEGIES, str),
+    Dimension("auto_wrap_policy", vocab.AUTO_WRAP_POLICIES, str),
+    Dimension("min_num_params", None, int, lambda p: p["auto_wrap_policy"] == "size_based"),
+    Dimension("mixed_precision", vocab.MIXED_PRECISIONS, str),
+    Dimension("activation_checkpointing", vocab.ACTIVATION_CHECKPOINTING, str),
+    Dimension("forward_prefetch", (False, True), bool),
+    Dimension("backward_prefetch", vocab.BACKWARD_PREFETCH, str, lambda p: p["fsdp_version"] == 1),
+    Dimension("limit_all_gathers", (False, True), bool, lambda p: p["fsdp_version"] == 1),
+    Dimension("cpu_offload", (False, True), bool),
+    Dimension("micro_batch_size", None, int),
+)
+_BY_NAME = {d.name: d for d in DIMENSIONS}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    path: str
+    choices: dict[str, tuple]
+
+    @property
+    def digest(self) -> str:
+        """Identifies the space's content: a study must keep the space it began with."""
+        text = json.dumps({k: list(v) for k, v in self.choices.items()}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _walk(self, pick: Callable[[Dimension, tuple], Any], fixed: dict[str, Any]) -> dict[str, Any]:
+        picked: dict[str, Any] = {}
+        for dim in DIMENSIONS:
+            drawn = dim.name in self.choices and dim.applies(picked)
+            if dim.name in fixed:
+                # A fixed value is drawn through the sampler when the space offers
+                # it, so the trial's params say what ran; else it is used as is.
+                value = fixed[dim.name]
+                picked[dim.name] = pick(dim, self.choices[dim.name]) if drawn and value in self.choices[dim.name] else value
+            elif drawn:
+                picked[dim.name] = pick(dim, self.choices[dim.name])
+            else:
+                picked[dim.name] = getattr(FsdpConfig, dim.name)
+        return picked
+
+    def suggest(self, trial: Any, layer_classes: tuple[str, ...], fixed: dict[str, Any] | None = None) -> FsdpConfig:
+        """Draw one configuration through an Optuna trial (duck-typed: no optuna import).
+
+        ``fixed`` holds an enqueued trial's values, which win over the space.
+        """
+
+        def pick(dim: Dimension, options: tuple) -> Any:
+            if len(options) == 1:
+                return options[0]
+            return trial.suggest_categorical(dim.name, list(options))
+
+        return FsdpConfig(**self._walk(pick, fixed or {}), transformer_layer_cls=layer_classes)
+
+    def enumerate(self, layer_classes: tuple[str, ...] = ()) -> list[FsdpConfig]:
+        """Every distinct configuration the space holds, in a stable order."""
+        configs: list[FsdpConfig] = []
+
+        def expand(prefix: dict[str, Any], index: int) -> Iterator[dict[str, Any]]:
+            if index == len(DIMENSIONS):
+                yield dict(prefix)
+                return
+            dim = DIMENSIONS[index]
+            if dim.name in self.choices and dim.applies(prefix):
+                options = self.choices[dim.name]
+            else:
+                options = (getattr(FsdpConfig, dim.name),)
+            for option in options:
+                prefix[dim.name] = option
+                yield from expand(prefix, index + 1)
+            del prefix[dim.name]
+
+        for picked in expand({}, 0):
+            configs.append(FsdpConfig(**picked, transformer_layer_cls=layer_classes))
+        return configs
+
+
+def resolve_space_path(value: str) -> Path:
+    """A file path, or the name of a built-in space (``default``, ``smoke``)."""
+    path = Path(value)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return SEARCH_SPACES_DIR / f"{value}.yaml"
+
+
+def _check_value(path: str, dim: Dimension, value: Any) -> None:
+    allowed = "any integer >= 1" if dim.allowed is None else ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in dim.allowed)
+    ok_type = isinstance(value, dim.kind) and not (dim.kind is int and isinstance(value, bool))
+    if not ok_type:
+        raise UsageError(f"{path}: {dim.name}: {value!r} is not a {dim.kind.__name__}; allowed values: {allowed}")
+    if dim.allowed is None:
+        if value < 1:
+            raise UsageError(f"{path}: {dim.name}: {value!r} is not allowed; allowed values: {allowed}")
+    elif value not in dim.allowed:
+        raise UsageError(f"{path}: {dim.name}: {value!r} is not allowed; allowed values: {allowed}")
+
+
+def parse_space(data: Any, path: str) -> SearchSpace:
+    """Validate loaded YAML; every problem is one UsageError naming file, key and fix."""
+    if not isinstance(data, dict) or not data:
+        raise UsageError(f"{path}: a search space is a mapping of field names to lists of choices, e.g. 'fsdp_version: [1, 2]'")
+    choices: dict[str, tuple] = {}
+    for key, value in data.items():
+        dim = _BY_NAME.get(key)
+        if dim is None:
+            raise UsageError(f"{path}: unknown key {key!r}; allowed keys: {', '.join(_BY_NAME)}")
+        options = value if isinstance(value, list) else [value]
+        if not options:
+            raise UsageError(f"{path}: {key}: the list of choices is empty; give at least one value")
+        for option in options:
+            _check_value(path, dim, option)
+        if len(set(options)) != len(options):
+            raise UsageError(f"{path}: {key}: {options} repeats a choice; list each value once")
+        choices[key] = tuple(options)
+    space = SearchSpace(path=path, choices=choices)
+    try:
+        configs = space.enumerate()
+    except vocab.ConfigError as exc:
+        raise UsageError(f"{path}: {exc}") from None
+    if not configs:
+        raise UsageError(f"{path}: the space holds no configuration")
+    return space
+
+
+def load_space(value: str) -> SearchSpace:
+    path = resolve_space_path(value)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UsageError(
+            f"--space {value}: no such file; give a YAML path or a built-in name "
+            f"({', '.join(sorted(p.stem for p in SEARCH_SPACES_DIR.glob('*.yaml')))})"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--space {value}: cannot read it ({exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UsageError(f"{path}: YAML syntax error{at}: {problem}") from None
+    return parse_space(data, str(path))

@@ -1,0 +1,119 @@
+"""Where studies live: the Optuna storage and each study's folder of trials.
+
+SQLite is the default because a study must survive the tuner: every trial is
+committed as it ends, and rerunning the same command resumes. Several tuners
+may share one file, so connections wait for the lock instead of failing with
+"database is locked".
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from autotune.errors import UsageError
+
+DEFAULT_STORAGE = "sqlite:///studies/autotune.db"
+# Seconds a connection waits for SQLite's write lock before giving up.
+SQLITE_LOCK_TIMEOUT_S = 120
+HEARTBEAT_INTERVAL_S = 30
+HEARTBEAT_GRACE_S = 120
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a SQLite URL, or None for other databases."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    return Path(parsed.database)
+
+
+def check_storage_url(url: str, create_dirs: bool) -> None:
+    """Refuse a URL that cannot work, before anything is written anywhere."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        parsed = make_url(url)
+        parsed.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:
+        raise UsageError(
+            f"--storage {url}: not a usable SQLAlchemy URL ({exc}); e.g. {DEFAULT_STORAGE}"
+        ) from None
+    path = sqlite_path(url)
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.exists():
+        if not create_dirs:
+            raise UsageError(f"--storage {url}: folder {folder} does not exist; create it or choose another path")
+        folder.mkdir(parents=True, exist_ok=True)
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise UsageError(f"--storage {url}: {target} is not writable; choose a path you can write to")
+
+
+def open_storage(url: str, heartbeat: bool = False) -> Any:
+    """An Optuna RDBStorage with a lock timeout and, for runs, trial heartbeats.
+
+    Heartbeats let a rerun find a trial whose tuner was killed (still RUNNING,
+    no heartbeat) and retry it instead of leaving it RUNNING forever.
+    """
+    import warnings
+
+    import optuna
+    from optuna.exceptions import ExperimentalWarning
+    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+
+    # Heartbeats, grouped TPE and metric names are used on purpose; their
+    # "experimental" notices would bury the tuner's own output.
+    warnings.filterwarnings("ignore", category=ExperimentalWarning)
+
+    engine_kwargs: dict[str, Any] = {}
+    if sqlite_path(url) is not None:
+        engine_kwargs["connect_args"] = {"timeout": SQLITE_LOCK_TIMEOUT_S}
+    kwargs: dict[str, Any] = {}
+    if heartbeat:
+        kwargs = dict(
+            heartbeat_interval=HEARTBEAT_INTERVAL_S,
+            grace_period=HEARTBEAT_GRACE_S,
+            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+        )
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+
+
+def existing_study_names(url: str) -> list[str]:
+    """Study names in the storage, without creating a database that is not there."""
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        return []
+    import optuna
+
+    return [s.study_name for s in optuna.get_all_study_summaries(open_storage(url), include_best_trial=False)]
+
+
+def resolve_study_name(url: str, name: str | None) -> str:
+    """The study to read: the one named, or the only one in the storage."""
+    names = existing_study_names(url)
+    if name is not None:
+        if name not in names:
+            known = ", ".join(names) if names else "none"
+            raise UsageError(f"--study-name {name}: no such study in {url} (studies there: {known})")
+        return name
+    if not names:
+        raise UsageError(f"no study in {url}; run 'autotune run --mem-budget ...' first, or pass --storage")
+    if len(names) > 1:
+        raise UsageError(f"{url} holds {len(names)} studies; choose one with --study-name ({', '.join(names)})")
+    return names[0]
+
+
+def study_dir(url: str, study_name: str) -> Path:
+    """Trial folders and exports go beside the SQLite file, else under ./studies."""
+    path = sqlite_path(url)
+    base = path.parent if path is not None else Path("studies")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in study_name)
+    return base / safe

@@ -1,0 +1,345 @@
+"""The Optuna study: draw a configuration, launch it (or don't), record what happened.
+
+Every outcome is kept as data. A configuration the host cannot run, or one
+already measured, is never launched; an over-budget or out-of-memory trial is
+a COMPLETE trial with a positive memory constraint, so the sampler learns what
+does not fit; a crash or timeout is a FAIL with its cause. Nothing here
+imports torch: trials run in torchrun subprocesses.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.config import FsdpConfig, TrialRequest, TrialResult
+from autotune.errors import UsageError
+from autotune.host import HostInfo, ModelInfo, host_incompatibility
+from autotune.launcher import launch_trial
+from autotune.space import SearchSpace
+from autotune.storage import open_storage, study_dir
+from autotune.units import format_bytes
+
+METRIC_NAME = "tokens_per_s"
+CONSTRAINT_KEY = "peak_memory_over_budget"
+# A trial whose post-warm-up speed is below best / ABORT_FACTOR stops there:
+# it cannot win, and on CPU a slow precision can cost ten times a fast one.
+ABORT_FACTOR = 3.0
+# Stop drawing when this many draws in a row launch nothing (all pruned or
+# already measured): the sampler has nothing new left to propose.
+MAX_IDLE_DRAWS = 200
+
+
+class TrialFailed(Exception):
+    """A trial that crashed or timed out; Optuna records it as FAIL and goes on."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    model: str
+    model_label: str
+    nproc: int
+    seq_len: int
+    budget_bytes: int
+    budget_text: str
+    space: SearchSpace
+    trials: int
+    trial_timeout_s: float
+    study_name: str
+    storage_url: str
+    seed: int = 0
+    warmup_steps: int = 2
+    timed_steps: int = 6
+    nnodes: int = 1
+    quiet: bool = False
+
+
+def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str) -> str:
+    return f"{model_label}-w{nproc}-s{seq_len}-{budget_text}"
+
+
+def baseline_config(host: HostInfo, layer_classes: tuple[str, ...]) -> FsdpConfig:
+    """The commonly recommended starting point: SHARD_GRAD_OP, one FSDP unit per
+    transformer layer, bf16 where the device runs it fast, else fp32."""
+    return FsdpConfig(
+        fsdp_version=2,
+        sharding_strategy="SHARD_GRAD_OP",
+        auto_wrap_policy="transformer_layer",
+        transformer_layer_cls=layer_classes,
+        mixed_precision="bf16" if host.bf16_is_fast else "fp32",
+        micro_batch_size=1,
+    )
+
+
+def _set_constraint(trial: optuna.Trial, violation: float) -> None:
+    # Optuna 4+/5 reads "constraints:<key>"; optuna-dashboard 0.21 only reads
+    # the older "constraints" list. Both are written so the two agree.
+    trial.set_constraint(CONSTRAINT_KEY, violation)
+    # Optuna has no public setter for system attrs any more; this is the one
+    # its own set_constraint uses.
+    trial.storage.set_trial_system_attr(trial._trial_id, "constraints", [violation])
+
+
+def is_feasible(trial: FrozenTrial) -> bool:
+    return trial.state == TrialState.COMPLETE and all(v <= 0 for v in trial.constraints.values())
+
+
+def best_feasible(study: optuna.Study) -> FrozenTrial | None:
+    try:
+        return study.best_trial
+    except ValueError:
+        return None
+
+
+def trial_config(trial: FrozenTrial) -> FsdpConfig | None:
+    data = trial.user_attrs.get("config")
+    return FsdpConfig.from_dict(data) if data else None
+
+
+STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest")
+
+
+def load_or_create_study(settings: RunSettings, storage: Any) -> optuna.Study:
+    """Resume the study, refusing one created for different work."""
+    identity = {
+        "model": settings.model,
+        "nproc": settings.nproc,
+        "seq_len": settings.seq_len,
+        "budget_bytes": settings.budget_bytes,
+        "space_digest": settings.space.digest,
+    }
+    sampler = optuna.samplers.TPESampler(
+        seed=settings.seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=8
+    )
+    existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    if settings.study_name in existing:
+        summary = existing[settings.study_name]
+        if summary.direction != optuna.study.StudyDirection.MAXIMIZE:
+            raise UsageError(
+                f"study {settings.study_name!r} exists with direction {summary.direction.name.lower()}, "
+                "but autotune maximizes tokens/s; choose another --study-name"
+            )
+        stored = summary.user_attrs.get("identity", {})
+        for key in STUDY_IDENTITY:
+            if key in stored and stored[key] != identity[key]:
+                raise UsageError(
+                    f"study {settings.study_name!r} was created with {key}={stored[key]!r}, not {identity[key]!r}; "
+                    "rerun with the original settings or choose another --study-name"
+                )
+        return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)
+    study = optuna.create_study(
+        study_name=settings.study_name, storage=storage, sampler=sampler, direction="maximize"
+    )
+    study.set_metric_names([METRIC_NAME])
+    study.set_user_attr("identity", identity)
+    study.set_user_attr("budget", settings.budget_text)
+    study.set_user_attr("space_path", settings.space.path)
+    return study
+
+
+@dataclass
+class RunCounts:
+    launched: int = 0
+    pruned: int = 0
+    reused: int = 0
+    failed: int = 0
+    aborted: int = 0
+    idle_draws: int = 0
+    trial_wall_s: list[float] = field(default_factory=list)
+
+
+class Tuner:
+    """The objective and its bookkeeping for one ``autotune run``."""
+
+    def __init__(self, study: optuna.Study, settings: RunSettings, host: HostInfo, model: ModelInfo) -> None:
+        self.study = study
+        self.settings = settings
+        self.host = host
+        self.model = model
+        self.counts = RunCounts()
+        self.space_size = len(settings.space.enumerate())
+        self.folder = study_dir(settings.storage_url, settings.study_name)
+
+    # -- progress -----------------------------------------------------------
+    def say(self, text: str) -> None:
+        if not self.settings.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    def _best_value(self) -> float | None:
+        best = best_feasible(self.study)
+        return best.value if best is not None else None
+
+    def _progress(self, trial: optuna.Trial, cfg: FsdpConfig, outcome: str) -> None:
+        best = self._best_value()
+        best_text = f" | best {best:,.0f} tok/s" if best else ""
+        self.say(f"[{self.counts.launched:>3}/{self.settings.trials}] #{trial.number:<3} {cfg.describe()}: {outcome}{best_text}")
+
+    # -- the objective ------------------------------------------------------
+    def objective(self, trial: optuna.Trial) -> float:
+        # An enqueued trial (the baseline) may hold values outside the space file.
+        fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
+        cfg = self.settings.space.suggest(trial, self.model.layer_classes, fixed)
+        trial.set_user_attr("config", cfg.to_dict())
+        trial.set_user_attr("label", cfg.describe())
+
+        reason = host_incompatibility(cfg, self.host, self.settings.nnodes)
+        if reason is not None:
+            self.counts.pruned += 1
+            self.counts.idle_draws += 1
+            trial.set_user_attr("prune_reason", reason)
+            raise optuna.TrialPruned(reason)
+
+        previous = self._already_measured(cfg, trial.number)
+        if previous is not None:
+            return self._reuse(trial, previous)
+
+        self.counts.idle_draws = 0
+        self.counts.launched += 1
+        return self._launch(trial, cfg)
+
+    def _already_measured(self, cfg: FsdpConfig, number: int) -> FrozenTrial | None:
+        """A finished measurement of the same configuration: a COMPLETE trial, or
+        one stopped early as hopeless (which would stop early again)."""
+        key = cfg.key()
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+            if t.number == number or (t.state == TrialState.PRUNED and not t.user_attrs.get("aborted")):
+                continue
+            other = trial_config(t)
+            if other is not None and other.key() == key:
+                return t
+        return None
+
+    def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> float:
+        self.counts.reused += 1
+        self.counts.idle_draws += 1
+        for name, value in previous.user_attrs.items():
+            if name not in ("config", "label"):
+                trial.set_user_attr(name, value)
+        trial.set_user_attr("reused_from", previous.number)
+        if previous.state == TrialState.PRUNED:
+            raise optuna.TrialPruned(previous.user_attrs.get("prune_reason", "reused"))
+        _set_constraint(trial, previous.constraints.get(CONSTRAINT_KEY, 0.0))
+        return float(previous.value)
+
+    def _launch(self, trial: optuna.Trial, cfg: FsdpConfig) -> float:
+        best = self._best_value()
+        request = TrialRequest(
+            fsdp=cfg,
+            model=self.settings.model,
+            seq_len=self.settings.seq_len,
+            warmup_steps=self.settings.warmup_steps,
+            timed_steps=self.settings.timed_steps,
+            seed=self.settings.seed,
+            nnodes=self.settings.nnodes,
+            abort_below_tokens_per_s=best / ABORT_FACTOR if best else None,
+        )
+        trial_dir = self.folder / "trials" / str(trial.number)
+        if not self.settings.quiet and sys.stderr.isatty():
+            print(f"[{self.counts.launched:>3}/{self.settings.trials}] #{trial.number:<3} {cfg.describe()}: running...", end="\r", file=sys.stderr, flush=True)
+        outcome = launch_trial(request, trial_dir, self.settings.nproc, self.settings.trial_timeout_s, self.host.device_type)
+        self.counts.trial_wall_s.append(outcome.wall_s)
+        result = outcome.result
+        trial.set_user_attr("status", result.status)
+        trial.set_user_attr("trial_dir", str(trial_dir))
+        trial.set_user_attr("log_path", str(outcome.log_path))
+        trial.set_user_attr("wall_s", round(outcome.wall_s, 3))
+        if result.phases:
+            trial.set_user_attr("phases", result.phases)
+        return self._record(trial, cfg, result, best)
+
+    def _record(self, trial: optuna.Trial, cfg: FsdpConfig, result: TrialResult, best: float | None) -> float:
+        budget = self.settings.budget_bytes
+        if result.status == "ok":
+            peak = int(result.peak_memory_bytes or 0)
+            for name in (
+                "tokens_per_s", "step_time_median_s", "step_time_p10_s", "step_time_p90_s", "step_time_cv",
+                "loss_first", "loss_last", "memory_method", "world_size", "device", "device_name",
+                "torch_version", "transformers_version", "num_params", "tokens_per_step",
+            ):  # fmt: skip
+                trial.set_user_attr(name, getattr(result, name))
+            trial.set_user_attr("peak_memory_bytes", peak)
+            trial.set_user_attr("peak_memory_gib", round(peak / 2**30, 4))
+            trial.set_user_attr("rank_memory", [vars(m) for m in result.rank_memory])
+            trial.set_user_attr("fits_budget", peak <= budget)
+            _set_constraint(trial, float(peak - budget))
+            fit = "fits" if peak <= budget else f"OVER budget by {format_bytes(peak - budget)}"
+            self._progress(trial, cfg, f"{result.tokens_per_s:,.0f} tok/s, peak {format_bytes(peak)} ({fit}), {trial.user_attrs['wall_s']:.1f}s")
+            return float(result.tokens_per_s)
+        if result.status == "aborted":
+            self.counts.aborted += 1
+            reason = f"hopeless: {result.tokens_per_s:,.0f} tok/s after warm-up, under 1/{ABORT_FACTOR:g} of the best {best:,.0f}"
+            trial.set_user_attr("aborted", True)
+            trial.set_user_attr("tokens_per_s_partial", result.tokens_per_s)
+            trial.set_user_attr("prune_reason", reason)
+            trial.report(float(result.tokens_per_s), step=0)
+            self._progress(trial, cfg, f"stopped early, {reason}")
+            raise optuna.TrialPruned(reason)
+        if result.status == "oom":
+            # Out of memory is an answer, not a failure: it does not fit.
+            peak = int(result.peak_memory_bytes or 0)
+            trial.set_user_attr("cause", "oom")
+            trial.set_user_attr("error", result.error)
+            trial.set_user_attr("failed_rank", result.failed_rank)
+            trial.set_user_attr("fits_budget", False)
+            if peak:
+                trial.set_user_attr("peak_memory_bytes", peak)
+            _set_constraint(trial, float(max(peak - budget, 1)))
+            self._progress(trial, cfg, f"out of memory on rank {result.failed_rank}: infeasible")
+            return 0.0
+        self.counts.failed += 1
+        trial.set_user_attr("cause", result.status)
+        trial.set_user_attr("error", result.error)
+        trial.set_user_attr("failed_rank", result.failed_rank)
+        trial.set_user_attr("exit_code", result.exit_code)
+        first_line = (result.error or "").splitlines()[0] if result.error else ""
+        self._progress(trial, cfg, f"FAILED ({result.status}): {first_line} [log: {trial.user_attrs['log_path']}]")
+        raise TrialFailed(f"{result.status}: {result.error}")
+
+    # -- stopping -----------------------------------------------------------
+    def stop_when_done(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if self.counts.launched >= self.settings.trials:
+            study.stop()
+        elif self.space_exhausted(study):
+            self.say(f"All {self.space_size} configurations of the space have been tried.")
+            study.stop()
+        elif self.counts.idle_draws >= MAX_IDLE_DRAWS:
+            self.say(f"The last {MAX_IDLE_DRAWS} draws were all pruned or already measured; stopping.")
+            study.stop()
+
+    def space_exhausted(self, study: optuna.Study) -> bool:
+        if self.space_size > 4 * MAX_IDLE_DRAWS:
+            return False
+        seen = {trial_config(t).key() for t in study.get_trials(deepcopy=False) if t.state.is_finished() and trial_config(t)}
+        return len(seen) >= self.space_size
+
+
+def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[optuna.Study, Tuner, float]:
+    """Run (or resume) the study until ``settings.trials`` launches are done."""
+    storage = open_storage(settings.storage_url, heartbeat=True)
+    study = load_or_create_study(settings, storage)
+    study.set_user_attr("host", host.as_dict())
+    if not study.trials:
+        baseline = baseline_config(host, model.layer_classes)
+        study.enqueue_trial(_as_params(baseline, settings.space), user_attrs={"baseline": True})
+    tuner = Tuner(study, settings, host, model)
+    start = time.perf_counter()
+    if tuner.space_exhausted(study):
+        tuner.say(f"All {tuner.space_size} configurations of the space were measured in earlier runs.")
+    else:
+        study.optimize(tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,))
+    return study, tuner, time.perf_counter() - start
+
+
+def _as_params(cfg: FsdpConfig, space: SearchSpace) -> dict[str, Any]:
+    """Enqueued parameters: every field, so the trial is exactly ``cfg`` even
+    where the space file does not offer that value."""
+    data = cfg.to_dict()
+    data.pop("transformer_layer_cls")
+    data.pop("reshard_after_forward")
+    return data

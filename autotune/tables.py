@@ -1,0 +1,83 @@
+"""Trials as rows: for ``autotune trials``, its JSON form, and the run summary."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.study import is_feasible
+from autotune.units import format_bytes
+
+
+def trial_outcome(trial: FrozenTrial) -> str:
+    """One word for how the trial ended, finer than Optuna's state."""
+    attrs = trial.user_attrs
+    if trial.state == TrialState.COMPLETE:
+        if attrs.get("cause") == "oom":
+            return "oom"
+        return "ok" if is_feasible(trial) else "over-budget"
+    if trial.state == TrialState.PRUNED:
+        return "stopped-early" if attrs.get("aborted") else "pruned"
+    if trial.state == TrialState.FAIL:
+        return attrs.get("cause", "fail")
+    return trial.state.name.lower()
+
+
+def trial_cause(trial: FrozenTrial, budget_bytes: int | None) -> str:
+    """Why a trial is not a usable result (empty for a feasible one)."""
+    attrs = trial.user_attrs
+    if "prune_reason" in attrs:
+        return attrs["prune_reason"]
+    if attrs.get("cause") == "oom":
+        return f"out of memory on rank {attrs.get('failed_rank')}"
+    if trial.state == TrialState.FAIL:
+        error = (attrs.get("error") or "no result recorded (the tuner stopped during this trial?)").splitlines()[0]
+        log = attrs.get("log_path")
+        return f"{error} [log: {log}]" if log else error
+    if trial.state == TrialState.COMPLETE and not is_feasible(trial) and budget_bytes:
+        return f"peak {format_bytes(attrs.get('peak_memory_bytes', 0))} > budget {format_bytes(budget_bytes)}"
+    return ""
+
+
+def trial_record(trial: FrozenTrial, budget_bytes: int | None) -> dict[str, Any]:
+    attrs = trial.user_attrs
+    return {
+        "number": trial.number,
+        "state": trial.state.name,
+        "outcome": trial_outcome(trial),
+        "tokens_per_s": trial.value if trial.state == TrialState.COMPLETE else attrs.get("tokens_per_s_partial"),
+        "peak_memory_bytes": attrs.get("peak_memory_bytes"),
+        "feasible": is_feasible(trial),
+        "config": attrs.get("config"),
+        "label": attrs.get("label"),
+        "cause": trial_cause(trial, budget_bytes),
+        "reused_from": attrs.get("reused_from"),
+        "baseline": bool(attrs.get("baseline")),
+        "wall_s": attrs.get("wall_s"),
+        "log_path": attrs.get("log_path"),
+    }
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: Sequence[int] = ()) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)] if rows else [len(h) for h in headers]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def trials_table(records: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in records:
+        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
+        peak = format_bytes(r["peak_memory_bytes"]) if r["peak_memory_bytes"] else "-"
+        note = r["cause"]
+        if r["reused_from"] is not None:
+            note = f"same as #{r['reused_from']}" + (f"; {note}" if note else "")
+        if r["baseline"]:
+            note = "baseline" + (f"; {note}" if note else "")
+        rows.append([r["number"], r["outcome"], tps, peak, r["label"] or "-", note])
+    return format_table(["#", "outcome", "tokens/s", "peak", "configuration", "note"], rows, right=(0, 2, 3))

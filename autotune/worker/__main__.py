@@ -1,0 +1,106 @@
+"""One rank of a trial: ``python -m autotune.worker CONFIG_JSON TRIAL_DIR``, under torchrun.
+
+Reads the :class:`TrialRequest` from ``config.json``, builds and wraps the
+model, measures, and has rank 0 write ``result.json`` into ``TRIAL_DIR``
+atomically. A rank that fails writes ``rank<N>.error.json`` there before it
+exits, so the driver classifies the failure from files and exit codes, never
+from log text.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import json  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from autotune.config import TrialRequest, TrialResult, write_json_atomic  # noqa: E402
+from autotune.worker.runtime import die_with_parent  # noqa: E402
+
+die_with_parent()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from autotune.worker.report import build_result  # noqa: E402
+from autotune.worker.runtime import init_distributed  # noqa: E402
+
+
+def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> None:
+    from autotune.worker.fsdp import parallelize
+    from autotune.worker.models import build_model
+    from autotune.worker.train import measure
+
+    phases: dict[str, float] = {}
+    if launched_at:
+        phases["launch_and_import_s"] = time.time() - launched_at
+    rank = init_distributed(request.device)
+    torch.manual_seed(request.seed)
+
+    start = time.perf_counter()
+    built = build_model(request.model, request.fsdp.transformer_layer_cls)
+    num_params = sum(p.numel() for p in built.module.parameters())
+    phases["build_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    model = parallelize(built, request.fsdp, rank.device, rank.world_size, request.nnodes)
+    phases["wrap_s"] = time.perf_counter() - start
+
+    measurement = measure(model, request, built.vocab_size, rank)
+    phases.update(measurement.phases)
+
+    start = time.perf_counter()
+    result = build_result(request, rank, measurement, num_params, phases)
+    if rank.is_main:
+        result.phases["report_s"] = time.perf_counter() - start
+        write_json_atomic(trial_dir / "result.json", result.to_dict())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_request(data: dict) -> TrialRequest:
+    """A trial's config.json, or an exported best configuration to reproduce."""
+    from autotune.export import SCHEMA, request_from_export
+
+    if isinstance(data, dict) and data.get("schema") == SCHEMA:
+        return request_from_export(data)
+    return TrialRequest.from_dict(data)
+
+
+def _failure_record(exc: BaseException, rank: int) -> dict:
+    record = {
+        "rank": rank,
+        "status": "oom" if isinstance(exc, torch.OutOfMemoryError) else "crash",
+        "error": f"{type(exc).__name__}: {exc}"[:2000],
+        "traceback": traceback.format_exc()[-8000:],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        record["peak_reserved"] = torch.cuda.max_memory_reserved()
+    return record
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m autotune.worker CONFIG_JSON TRIAL_DIR", file=sys.stderr)
+        return 2
+    config_path, trial_dir = Path(argv[0]), Path(argv[1])
+    rank = int(os.environ.get("RANK", "0"))
+    launched_at = float(os.environ["AUTOTUNE_LAUNCHED_AT"]) if "AUTOTUNE_LAUNCHED_AT" in os.environ else None
+    try:
+        request = load_request(json.loads(config_path.read_text()))
+        run(request, trial_dir, launched_at)
+    except BaseException as exc:  # noqa: BLE001 - every failure must leave a record
+        write_json_atomic(trial_dir / f"rank{rank}.error.json", _failure_record(exc, rank))
+        traceback.print_exc()
+        sys.stderr.flush()
+        # A rank that dies leaves its peers blocked in a collective; exiting at
+        # once lets torchrun notice and stop the whole job.
+        os._exit(3 if isinstance(exc, torch.OutOfMemoryError) else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

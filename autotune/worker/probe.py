@@ -1,0 +1,108 @@
+"""Describe this host and the model, for the driver: ``python -m autotune.worker.probe``.
+
+The driver never imports torch, so it asks this small program what the host
+can run (GPUs, whether bf16 is fast, whether fp16 works) and what the model
+is (parameter count, repeated block class) before it plans a study. Output is
+one JSON object on stdout. A model that cannot be built is a usage error:
+``{"error": ...}`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+
+def _time_matmul(dtype, device, size: int = 384, repeats: int = 8) -> float:
+    import torch
+
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def describe_host() -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    info: dict = {
+        "torch_version": torch.__version__,
+        "device_type": device.type,
+        "cuda_device_count": torch.cuda.device_count() if cuda else 0,
+        "cpu_count": os.cpu_count() or 1,
+        "device_name": torch.cuda.get_device_name(0) if cuda else None,
+        "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+    }
+    if cuda:
+        info["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
+        info["fp16_supported"] = True
+        info["bf16_speedup"] = None
+    else:
+        # CPUs differ: with AMX or AVX512-BF16 bf16 matmuls beat fp32, without
+        # them they are several times slower. Measure rather than read flags.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        fp32 = _time_matmul(torch.float32, device)
+        try:
+            bf16 = _time_matmul(torch.bfloat16, device)
+            info["bf16_supported"] = True
+            info["bf16_speedup"] = round(fp32 / bf16, 3)
+        except RuntimeError:
+            info["bf16_supported"] = False
+            info["bf16_speedup"] = None
+        try:
+            _time_matmul(torch.float16, device, repeats=1)
+            info["fp16_supported"] = True
+        except RuntimeError:
+            info["fp16_supported"] = False
+        torch.set_num_threads(threads)
+    import transformers
+
+    info["transformers_version"] = transformers.__version__
+    return info
+
+
+def describe_model(model: str, wrap_class: tuple[str, ...]) -> dict:
+    from autotune.worker.models import build_model
+
+    built = build_model(model, wrap_class)
+    return {
+        "num_params": sum(p.numel() for p in built.module.parameters()),
+        "layer_classes": list(built.layer_classes),
+        "num_layers": len(built.layers),
+        "vocab_size": built.vocab_size,
+        "class_name": type(built.module).__name__,
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autotune.worker.probe")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--wrap-class", action="append", default=[])
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    try:
+        model = describe_model(args.model, tuple(args.wrap_class))
+    except Exception as exc:  # noqa: BLE001 - any failure to build is the user's model to fix
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        return 2
+    print(json.dumps({"host": describe_host(), "model": model}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

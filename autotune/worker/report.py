@@ -1,0 +1,66 @@
+"""Gather every rank's figures into the one :class:`TrialResult` rank 0 writes."""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import torch
+import torch.distributed as dist
+
+from autotune.config import TrialRequest, TrialResult
+from autotune.worker.measure import step_time_stats
+from autotune.worker.runtime import Rank
+from autotune.worker.train import Measurement
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def build_result(
+    request: TrialRequest, rank: Rank, measurement: Measurement, num_params: int, phases: dict[str, float]
+) -> TrialResult:
+    """Collective: every rank must call it. Only rank 0's return value is complete."""
+    gathered: list = [None] * rank.world_size
+    dist.all_gather_object(gathered, (measurement.step_times, measurement.memory))
+    cfg = request.fsdp
+    tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
+    import transformers
+
+    result = TrialResult(
+        status="ok",
+        tokens_per_step=tokens_per_step,
+        loss_first=measurement.loss_first,
+        loss_last=measurement.loss_last,
+        world_size=rank.world_size,
+        device=rank.device.type,
+        device_name=_device_name(rank.device),
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        num_params=num_params,
+        phases={k: round(v, 4) for k, v in phases.items()},
+    )
+    if measurement.aborted_tokens_per_s is not None:
+        result.status = "aborted"
+        result.tokens_per_s = measurement.aborted_tokens_per_s
+        return result
+
+    # Per step, the job waits for its slowest rank.
+    per_step = [max(times[i] for times, _ in gathered) for i in range(len(measurement.step_times))]
+    stats = step_time_stats(per_step)
+    result.tokens_per_s = tokens_per_step / stats["median"]
+    result.step_time_median_s = stats["median"]
+    result.step_time_p10_s = stats["p10"]
+    result.step_time_p90_s = stats["p90"]
+    result.step_time_cv = stats["cv"]
+    result.rank_memory = [memory for _, memory in gathered]
+    result.peak_memory_bytes = max(m.peak for m in result.rank_memory)
+    result.memory_method = "cuda_caching_allocator" if rank.device.type == "cuda" else "live_tensor_storages"
+    for loss in (result.loss_first, result.loss_last):
+        if loss is None or not math.isfinite(loss):
+            result.status = "crash"
+            result.error = f"loss is not finite (first {result.loss_first}, last {result.loss_last})"
+    return result

@@ -1,0 +1,71 @@
+"""The process side of a rank: dying with its launcher, and joining the process group."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (torchrun) dies.
+
+    torchrun stops its workers when it exits normally; this covers the case
+    where torchrun itself is killed with SIGKILL and cannot. No-op off Linux.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # The parent may have died before the prctl call; then we were re-parented.
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def select_device(requested: str, local_rank: int) -> torch.device:
+    """CUDA when asked for or, with "auto", when a GPU is visible; otherwise CPU."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda was requested but torch sees no CUDA device")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(requested_device: str) -> Rank:
+    """Join the torchrun job: NCCL on CUDA, gloo on CPU."""
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = select_device(requested_device, local_rank)
+    if device.type == "cuda":
+        # Binding the device eagerly lets NCCL create its communicator now,
+        # not inside the first timed collective.
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return Rank(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
