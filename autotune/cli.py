@@ -134,7 +134,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {nproc}: this host has {what}; use --nproc {host.device_count} or fewer")
     seq_len = args.seq_len or default_seq_len(spec)
 
-    from autotune.study import RunSettings, default_study_name, run_study
+    from autotune.study import RunSettings, check_resumable, default_study_name, run_study
     from autotune.summary import summarize
 
     budget_text = args.mem_budget.replace(" ", "")
@@ -155,6 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         timed_steps=args.timed_steps,
         quiet=args.quiet,
     )
+    check_resumable(settings)
     if not args.quiet:
         print(
             f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "

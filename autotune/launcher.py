@@ -164,6 +164,7 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
             failures.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError):
             continue
+    failures.sort(key=lambda f: f.get("time", float("inf")))
     oom = next((f for f in failures if f.get("status") == "oom"), None)
     if oom is not None:
         return TrialResult(

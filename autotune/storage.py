@@ -82,7 +82,9 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
             grace_period=HEARTBEAT_GRACE_S,
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
         )
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Optuna logs every caught trial failure with its traceback; the tuner
+    # reports each failure itself, on one line, with the log's path.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
 
 

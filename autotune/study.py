@@ -23,7 +23,7 @@ from autotune.errors import UsageError
 from autotune.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launcher import launch_trial
 from autotune.space import SearchSpace
-from autotune.storage import open_storage, study_dir
+from autotune.storage import open_storage, sqlite_path, study_dir
 from autotune.units import format_bytes
 
 METRIC_NAME = "tokens_per_s"
@@ -105,39 +105,53 @@ def trial_config(trial: FrozenTrial) -> FsdpConfig | None:
 STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest")
 
 
-def load_or_create_study(settings: RunSettings, storage: Any) -> optuna.Study:
-    """Resume the study, refusing one created for different work."""
-    identity = {
+def study_identity(settings: RunSettings) -> dict[str, Any]:
+    return {
         "model": settings.model,
         "nproc": settings.nproc,
         "seq_len": settings.seq_len,
         "budget_bytes": settings.budget_bytes,
         "space_digest": settings.space.digest,
     }
+
+
+def check_resumable(settings: RunSettings) -> None:
+    """Refuse, before anything is written, to resume a study made for other work."""
+    path = sqlite_path(settings.storage_url)
+    if path is not None and not path.exists():
+        return
+    summaries = optuna.get_all_study_summaries(open_storage(settings.storage_url), include_best_trial=False)
+    summary = next((s for s in summaries if s.study_name == settings.study_name), None)
+    if summary is None:
+        return
+    if summary.direction != optuna.study.StudyDirection.MAXIMIZE:
+        raise UsageError(
+            f"study {settings.study_name!r} exists with direction {summary.direction.name.lower()}, "
+            "but autotune maximizes tokens/s; choose another --study-name"
+        )
+    stored = summary.user_attrs.get("identity", {})
+    identity = study_identity(settings)
+    for key in STUDY_IDENTITY:
+        if key in stored and stored[key] != identity[key]:
+            raise UsageError(
+                f"study {settings.study_name!r} was created with {key}={stored[key]!r}, not {identity[key]!r}; "
+                "rerun with the original settings or choose another --study-name"
+            )
+
+
+def load_or_create_study(settings: RunSettings, storage: Any) -> optuna.Study:
+    """Resume the study (see :func:`check_resumable`) or create it."""
     sampler = optuna.samplers.TPESampler(
         seed=settings.seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=8
     )
-    existing = {s.study_name: s for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
-    if settings.study_name in existing:
-        summary = existing[settings.study_name]
-        if summary.direction != optuna.study.StudyDirection.MAXIMIZE:
-            raise UsageError(
-                f"study {settings.study_name!r} exists with direction {summary.direction.name.lower()}, "
-                "but autotune maximizes tokens/s; choose another --study-name"
-            )
-        stored = summary.user_attrs.get("identity", {})
-        for key in STUDY_IDENTITY:
-            if key in stored and stored[key] != identity[key]:
-                raise UsageError(
-                    f"study {settings.study_name!r} was created with {key}={stored[key]!r}, not {identity[key]!r}; "
-                    "rerun with the original settings or choose another --study-name"
-                )
+    names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    if settings.study_name in names:
         return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)
     study = optuna.create_study(
         study_name=settings.study_name, storage=storage, sampler=sampler, direction="maximize"
     )
     study.set_metric_names([METRIC_NAME])
-    study.set_user_attr("identity", identity)
+    study.set_user_attr("identity", study_identity(settings))
     study.set_user_attr("budget", settings.budget_text)
     study.set_user_attr("space_path", settings.space.path)
     return study
@@ -163,7 +177,10 @@ class Tuner:
         self.host = host
         self.model = model
         self.counts = RunCounts()
-        self.space_size = len(settings.space.enumerate())
+        configs = settings.space.enumerate(model.layer_classes)
+        self.space_size = len(configs)
+        # Exhaustion is only worth checking for spaces a study can finish.
+        self.space_keys = {c.key() for c in configs} if self.space_size <= 4 * MAX_IDLE_DRAWS else None
         self.folder = study_dir(settings.storage_url, settings.study_name)
 
     # -- progress -----------------------------------------------------------
@@ -193,6 +210,7 @@ class Tuner:
             self.counts.pruned += 1
             self.counts.idle_draws += 1
             trial.set_user_attr("prune_reason", reason)
+            self._progress(trial, cfg, f"not launched: {reason}")
             raise optuna.TrialPruned(reason)
 
         previous = self._already_measured(cfg, trial.number)
@@ -204,11 +222,16 @@ class Tuner:
         return self._launch(trial, cfg)
 
     def _already_measured(self, cfg: FsdpConfig, number: int) -> FrozenTrial | None:
-        """A finished measurement of the same configuration: a COMPLETE trial, or
-        one stopped early as hopeless (which would stop early again)."""
+        """An earlier trial of the same configuration whose answer would not
+        change: measured, stopped early as hopeless, or crashed (a crash from
+        the configuration itself repeats; a timeout may not, so it is retried)."""
         key = cfg.key()
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-            if t.number == number or (t.state == TrialState.PRUNED and not t.user_attrs.get("aborted")):
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
+            if t.number == number:
+                continue
+            if t.state == TrialState.PRUNED and not t.user_attrs.get("aborted"):
+                continue
+            if t.state == TrialState.FAIL and t.user_attrs.get("cause") != "crash":
                 continue
             other = trial_config(t)
             if other is not None and other.key() == key:
@@ -219,11 +242,14 @@ class Tuner:
         self.counts.reused += 1
         self.counts.idle_draws += 1
         for name, value in previous.user_attrs.items():
-            if name not in ("config", "label"):
+            if name not in ("config", "label", "baseline"):
                 trial.set_user_attr(name, value)
         trial.set_user_attr("reused_from", previous.number)
+        self._progress(trial, trial_config(previous), f"same configuration as trial #{previous.number}, not launched again")
         if previous.state == TrialState.PRUNED:
             raise optuna.TrialPruned(previous.user_attrs.get("prune_reason", "reused"))
+        if previous.state == TrialState.FAIL:
+            raise TrialFailed(f"crashed before in trial #{previous.number}: {previous.user_attrs.get('error')}")
         _set_constraint(trial, previous.constraints.get(CONSTRAINT_KEY, 0.0))
         return float(previous.value)
 
@@ -313,14 +339,16 @@ class Tuner:
             study.stop()
 
     def space_exhausted(self, study: optuna.Study) -> bool:
-        if self.space_size > 4 * MAX_IDLE_DRAWS:
+        """Whether every configuration of a small space has a finished trial."""
+        if self.space_keys is None:
             return False
         seen = {trial_config(t).key() for t in study.get_trials(deepcopy=False) if t.state.is_finished() and trial_config(t)}
-        return len(seen) >= self.space_size
+        return self.space_keys <= seen
 
 
 def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[optuna.Study, Tuner, float]:
     """Run (or resume) the study until ``settings.trials`` launches are done."""
+    check_resumable(settings)
     storage = open_storage(settings.storage_url, heartbeat=True)
     study = load_or_create_study(settings, storage)
     study.set_user_attr("host", host.as_dict())

@@ -73,6 +73,9 @@ def load_request(data: dict) -> TrialRequest:
 def _failure_record(exc: BaseException, rank: int) -> dict:
     record = {
         "rank": rank,
+        # Peers of a failed rank fail next (their collectives break): the
+        # earliest record is the root cause.
+        "time": time.time(),
         "status": "oom" if isinstance(exc, torch.OutOfMemoryError) else "crash",
         "error": f"{type(exc).__name__}: {exc}"[:2000],
         "traceback": traceback.format_exc()[-8000:],

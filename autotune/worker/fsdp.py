@@ -191,6 +191,10 @@ def _size_based_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
     def visit(module: nn.Module) -> int:
         remaining = sum(p.numel() for p in module.parameters(recurse=False))
         remaining += sum(visit(child) for child in module.children())
+        # Containers have no forward of their own to hook, so, as in FSDP1's
+        # policy, they pass their parameters up to the module that runs them.
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return remaining
         if module is not model and remaining >= min_num_params:
             units.append(module)
             return 0

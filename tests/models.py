@@ -1,0 +1,69 @@
+"""Test models for ``--model tests.models:NAME``: factories the worker builds on the meta device."""
+
+import time
+
+import torch
+from torch import nn
+
+
+class _TinyLM(nn.Module):
+    """A two-block language model that is not from transformers."""
+
+    _no_split_modules = ["Block"]
+
+    def __init__(self, vocab_size: int = 128, hidden: int = 32) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, hidden)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab_size)
+
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return x + torch.relu(self.mlp(x))
+
+
+class _OutOfMemoryLM(_TinyLM):
+    def forward(self, input_ids, labels=None):
+        # The real exception type a CUDA allocation failure raises.
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (test model)")
+
+
+class _CrashOnRank1LM(_TinyLM):
+    def forward(self, input_ids, labels=None):
+        if torch.distributed.get_rank() == 1:
+            raise RuntimeError("deliberate failure on rank 1 (test model)")
+        return super().forward(input_ids, labels)
+
+
+class _HangingLM(_TinyLM):
+    def forward(self, input_ids, labels=None):
+        time.sleep(3600)
+
+
+def tiny():
+    return _TinyLM()
+
+
+def oom():
+    return _OutOfMemoryLM()
+
+
+def crash_on_rank1():
+    return _CrashOnRank1LM()
+
+
+def hang():
+    return _HangingLM()

@@ -1,0 +1,87 @@
+"""Bad input: one line naming the problem, exit 2, no traceback, and the study database untouched."""
+
+import hashlib
+from pathlib import Path
+
+import optuna
+import pytest
+
+BAD_YAML = {
+    "syntax.yaml": "fsdp_version: [1, 2\n",
+    "unknown-key.yaml": "shardng_strategy: [FULL_SHARD]\n",
+    "empty-choices.yaml": "mixed_precision: []\n",
+    "unknown-value.yaml": "activation_checkpointing: [none, sometimes]\n",
+    "wrong-type.yaml": "micro_batch_size: [big]\n",
+}
+
+# (arguments after "run" or a whole command, words the message must contain)
+CASES = [
+    (["run", "--mem-budget", "20"], ["'20'", "unit"]),
+    (["run", "--mem-budget", "20XB"], ["'20XB'", "unknown unit"]),
+    (["run", "--mem-budget=-5GB"], ["'-5GB'"]),
+    (["run", "--mem-budget", "0GB"], ["'0GB'", "greater than zero"]),
+    (["run", "--mem-budget", ""], ["''"]),
+    (["run"], ["--mem-budget"]),
+    (["run", "--mem-budget", "20GB", "--nproc", "0"], ["--nproc", "at least 1"]),
+    (["run", "--mem-budget", "20GB", "--nproc", "512"], ["--nproc 512", "or fewer"]),
+    (["run", "--mem-budget", "20GB", "--trials", "-1"], ["--trials", "-1"]),
+    (["run", "--mem-budget", "20GB", "--trial-timeout", "0"], ["--trial-timeout", "greater than 0"]),
+    (["run", "--mem-budget", "20GB", "--seq-len", "zero"], ["--seq-len", "'zero'"]),
+    (["run", "--mem-budget", "20GB", "--model", "llama-13"], ["llama-13", "unknown preset"]),
+    (["run", "--mem-budget", "20GB", "--model", "nowhere/config.json"], ["nowhere/config.json", "no such config file"]),
+    (["run", "--mem-budget", "20GB", "--model", "{notjson}"], ["not a JSON file"]),
+    (["run", "--mem-budget", "20GB", "--model", "tests.no_such_module:build"], ["tests.no_such_module", "No module named"]),
+    (["run", "--mem-budget", "20GB", "--model", "tests.models:no_such_function"], ["no_such_function"]),
+    (["run", "--mem-budget", "20GB", "--wrap-class", "TransformerBlock"], ["'TransformerBlock'", "LlamaDecoderLayer"]),
+    (["run", "--mem-budget", "20GB", "--storage", "sqlte:///typo.db"], ["sqlte:///typo.db", "SQLAlchemy URL"]),
+    (["run", "--mem-budget", "20GB", "--storage", "sqlite:///no/such/dir/x.db"], ["no/such/dir", "does not exist"]),
+    (["run", "--mem-budget", "20GB", "--space", "nonexistent"], ["nonexistent", "default, smoke"]),
+    *[(["run", "--mem-budget", "20GB", "--space", "{dir}/" + name], [name]) for name in BAD_YAML],
+    (["run", "--mem-budget", "20GB", "--study-name", "minimizing"], ["minimizing", "direction minimize"]),
+    (["run", "--mem-budget", "30GB", "--space", "smoke", "--study-name", "made-with-20GB"], ["budget_bytes", "another --study-name"]),
+    (["trials", "--study-name", "nope"], ["nope", "no such study"]),
+    (["export", "--study-name", "made-with-20GB"], ["no feasible trial"]),
+    (["frobnicate"], ["invalid choice"]),
+]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A folder with a study database that must survive every bad command unchanged."""
+    root = tmp_path_factory.mktemp("bad-input")
+    (root / "studies").mkdir()
+    storage = f"sqlite:///{root / 'studies' / 'autotune.db'}"
+    optuna.create_study(study_name="minimizing", storage=storage, direction="minimize")
+    made = optuna.create_study(study_name="made-with-20GB", storage=storage, direction="maximize")
+    from autotune.space import load_space
+
+    made.set_user_attr("identity", {"model": "llama-tiny", "nproc": 2, "seq_len": 256,
+                                    "budget_bytes": 20 * 10**9, "space_digest": load_space("smoke").digest})
+    for name, text in BAD_YAML.items():
+        (root / name).write_text(text)
+    (root / "{notjson}").write_text("this is not json")
+    return root
+
+
+@pytest.mark.parametrize("args, words", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(workspace, args, words):
+    from tests.conftest import run_cli
+
+    db = workspace / "studies" / "autotune.db"
+    before = _digest(db)
+    args = [a.replace("{dir}", str(workspace)) for a in args]
+    if args[0] in ("run", "trials", "export") and "--storage" not in args:
+        args += ["--storage", f"sqlite:///{db}"]
+    done = run_cli(*args, cwd=workspace, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    for word in words:
+        assert word.replace("{dir}", str(workspace)) in lines[0]
+    assert _digest(db) == before, "a rejected command changed the study database"
+    assert not (workspace / "typo.db").exists()

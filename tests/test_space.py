@@ -1,0 +1,108 @@
+import optuna
+import pytest
+
+from autotune.config import FsdpConfig
+from autotune.errors import UsageError
+from autotune.space import load_space, parse_space
+
+
+def test_smoke_space_is_small():
+    configs = load_space("smoke").enumerate()
+    assert 1 <= len(configs) <= 6
+    assert len({c.key() for c in configs}) == len(configs)
+
+
+def test_default_space_spans_every_dimension():
+    space = load_space("default")
+    configs = space.enumerate(("LlamaDecoderLayer",))
+    assert len({c.key() for c in configs}) == len(configs)
+    for field, values in {
+        "fsdp_version": {1, 2},
+        "sharding_strategy": {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"},
+        "auto_wrap_policy": {"transformer_layer", "size_based", "none"},
+        "mixed_precision": {"fp32", "bf16", "bf16_fp32_reduce", "fp16"},
+        "activation_checkpointing": {"none", "full", "every_other_layer"},
+        "backward_prefetch": {"BACKWARD_PRE", "BACKWARD_POST", "none"},
+        "cpu_offload": {False, True},
+        "forward_prefetch": {False, True},
+        "limit_all_gathers": {False, True},
+    }.items():
+        assert {getattr(c, field) for c in configs} == values, field
+
+
+def test_conditional_dimensions_are_not_multiplied():
+    space = parse_space(
+        {"fsdp_version": [1, 2], "backward_prefetch": ["BACKWARD_PRE", "BACKWARD_POST", "none"],
+         "auto_wrap_policy": ["transformer_layer", "size_based"], "min_num_params": [10, 20]},
+        "inline",
+    )
+    # FSDP1: 3 prefetch x (1 layer-wrap + 2 size thresholds); FSDP2: prefetch fixed, 3 wraps.
+    assert len(space.enumerate()) == 3 * 3 + 3
+    assert all(c.backward_prefetch == "BACKWARD_PRE" for c in space.enumerate() if c.fsdp_version == 2)
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("fsdp_versoin: [1, 2]\n", ["unknown key 'fsdp_versoin'", "fsdp_version"]),
+        ("micro_batch_size: [one]\n", ["micro_batch_size", "'one'", "not a int", "any integer"]),
+        ("sharding_strategy: []\n", ["sharding_strategy", "empty"]),
+        ("mixed_precision: [fp32, fp8]\n", ["mixed_precision", "'fp8'", "bf16_fp32_reduce"]),
+        ("forward_prefetch: [maybe]\n", ["forward_prefetch", "'maybe'", "false, true"]),
+        ("fsdp_version: [1, 2\n", ["YAML syntax error", "line"]),
+        ("- 1\n- 2\n", ["mapping"]),
+        ("", ["mapping"]),
+        ("micro_batch_size: [0]\n", ["micro_batch_size", "0"]),
+        ("fsdp_version: [2, 2]\n", ["repeats"]),
+    ],
+)
+def test_bad_space_files_get_one_line_naming_file_and_key(tmp_path, text, words):
+    path = _write(tmp_path, text)
+    with pytest.raises(UsageError) as err:
+        load_space(path)
+    message = str(err.value)
+    assert "\n" not in message
+    assert path in message
+    for word in words:
+        assert word in message
+
+
+def test_missing_space_file_lists_builtins():
+    with pytest.raises(UsageError, match="default, smoke"):
+        load_space("no-such-space")
+
+
+def test_optuna_draws_only_valid_configurations():
+    space = load_space("default")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1), direction="maximize")
+    seen = set()
+    for _ in range(200):
+        trial = study.ask()
+        cfg = space.suggest(trial, ("LlamaDecoderLayer",))
+        assert isinstance(cfg, FsdpConfig)
+        if cfg.fsdp_version == 2:
+            assert "backward_prefetch" not in trial.params
+            assert "limit_all_gathers" not in trial.params
+        if cfg.auto_wrap_policy != "size_based":
+            assert "min_num_params" not in trial.params
+        seen.add(cfg.fsdp_version)
+        study.tell(trial, 1.0)
+    assert seen == {1, 2}
+
+
+def test_fixed_values_win_and_are_recorded_when_in_the_space():
+    space = load_space("smoke")
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({"fsdp_version": 1, "sharding_strategy": "SHARD_GRAD_OP", "mixed_precision": "bf16"})
+    trial = study.ask()
+    fixed = study._storage.get_trial_system_attrs(trial._trial_id)["fixed_params"]
+    cfg = space.suggest(trial, ("LlamaDecoderLayer",), fixed)
+    # SHARD_GRAD_OP and bf16 are outside smoke.yaml, but an enqueued baseline keeps them.
+    assert (cfg.fsdp_version, cfg.sharding_strategy, cfg.mixed_precision) == (1, "SHARD_GRAD_OP", "bf16")
+    assert trial.params["fsdp_version"] == 1

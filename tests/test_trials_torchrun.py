@@ -1,0 +1,112 @@
+"""Real 2-rank torchrun trials on CPU with gloo: FSDP1 and FSDP2, each strategy, checkpointing on and off."""
+
+import json
+import math
+import os
+
+import pytest
+
+from autotune.config import FsdpConfig, TrialRequest
+from autotune.launcher import launch_trial, process_tree
+
+pytestmark = pytest.mark.torchrun
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+GRID = [(v, s, ac) for v in (1, 2) for s in STRATEGIES for ac in ("none", "full")]
+
+
+def _run(tmp_path_factory, cfg: FsdpConfig, model: str = "llama-tiny", timeout: float = 240, **request):
+    trial_dir = tmp_path_factory.mktemp("trial")
+    req = TrialRequest(fsdp=cfg, model=model, seq_len=128, warmup_steps=1, timed_steps=3, **request)
+    return launch_trial(req, trial_dir, nproc=2, timeout_s=timeout, device_type="cpu")
+
+
+@pytest.fixture(scope="module")
+def grid_results(tmp_path_factory):
+    results = {}
+    for version, strategy, ac in GRID:
+        cfg = FsdpConfig(fsdp_version=version, sharding_strategy=strategy, activation_checkpointing=ac,
+                         transformer_layer_cls=("LlamaDecoderLayer",), micro_batch_size=2)
+        results[(version, strategy, ac)] = _run(tmp_path_factory, cfg)
+    return results
+
+
+@pytest.mark.parametrize("key", GRID, ids=[f"fsdp{v}-{s}-ac_{a}" for v, s, a in GRID])
+def test_each_trial_trains_and_measures(grid_results, key):
+    outcome = grid_results[key]
+    result = outcome.result
+    assert result.status == "ok", f"{result.error}\n{outcome.log_path.read_text()[-3000:]}"
+    assert math.isfinite(result.loss_first) and math.isfinite(result.loss_last)
+    assert result.tokens_per_s > 0
+    assert result.tokens_per_step == 2 * 128 * 2
+    assert result.tokens_per_s == pytest.approx(result.tokens_per_step / result.step_time_median_s)
+    assert result.step_time_p10_s <= result.step_time_median_s <= result.step_time_p90_s
+    assert result.peak_memory_bytes > 0
+    assert result.memory_method == "live_tensor_storages"
+    assert [m.rank for m in result.rank_memory] == [0, 1]
+    assert all(m.tracked > 0 for m in result.rank_memory)
+    assert result.world_size == 2 and result.device == "cpu"
+    assert result.torch_version and result.transformers_version
+    assert result.num_params == 3_688_704  # llama-tiny
+    # result.json is the atomic file beside config.json and log.txt
+    on_disk = json.loads((outcome.trial_dir / "result.json").read_text())
+    assert on_disk["tokens_per_s"] == result.tokens_per_s
+    assert (outcome.trial_dir / "config.json").exists() and outcome.log_path.exists()
+
+
+@pytest.mark.parametrize("version", (1, 2))
+@pytest.mark.parametrize("ac", ("none", "full"))
+def test_sharding_lowers_peak_memory(grid_results, version, ac):
+    peak = {s: grid_results[(version, s, ac)].result.peak_memory_bytes for s in STRATEGIES}
+    assert peak["FULL_SHARD"] < peak["NO_SHARD"], peak
+    assert peak["SHARD_GRAD_OP"] < peak["NO_SHARD"], peak
+
+
+@pytest.mark.parametrize("version", (1, 2))
+def test_checkpointing_lowers_peak_memory(grid_results, version):
+    for strategy in STRATEGIES:
+        off = grid_results[(version, strategy, "none")].result.peak_memory_bytes
+        on = grid_results[(version, strategy, "full")].result.peak_memory_bytes
+        assert on < off, (strategy, on, off)
+
+
+@pytest.mark.parametrize("version", (1, 2))
+def test_fp16_trains_with_the_sharded_grad_scaler(tmp_path_factory, version):
+    cfg = FsdpConfig(fsdp_version=version, mixed_precision="fp16", transformer_layer_cls=("LlamaDecoderLayer",))
+    outcome = _run(tmp_path_factory, cfg)
+    assert outcome.result.status == "ok", outcome.log_path.read_text()[-3000:]
+    assert math.isfinite(outcome.result.loss_last)
+
+
+def test_size_based_wrap_and_prefetch_on_a_non_transformers_model(tmp_path_factory):
+    cfg = FsdpConfig(fsdp_version=2, auto_wrap_policy="size_based", min_num_params=1000, forward_prefetch=True,
+                     activation_checkpointing="every_other_layer")
+    outcome = _run(tmp_path_factory, cfg, model="tests.models:tiny")
+    assert outcome.result.status == "ok", outcome.log_path.read_text()[-3000:]
+
+
+def test_oom_is_classified_from_the_rank_error_file(tmp_path_factory):
+    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=1), model="tests.models:oom")
+    assert outcome.result.status == "oom"
+    assert "OutOfMemoryError" in outcome.result.error
+    assert outcome.result.failed_rank in (0, 1)
+
+
+def test_crash_names_the_rank(tmp_path_factory):
+    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=2), model="tests.models:crash_on_rank1")
+    assert outcome.result.status == "crash"
+    assert outcome.result.failed_rank == 1
+    assert "deliberate failure on rank 1" in outcome.result.error
+    assert outcome.result.exit_code != 0
+
+
+def test_timeout_kills_the_whole_job(tmp_path_factory):
+    import subprocess
+
+    before = set(subprocess.run(["pgrep", "-f", "autotune.worker"], capture_output=True, text=True).stdout.split())
+    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=2), model="tests.models:hang", timeout=20)
+    assert outcome.result.status == "timeout"
+    assert outcome.wall_s < 60
+    after = set(subprocess.run(["pgrep", "-f", "autotune.worker"], capture_output=True, text=True).stdout.split())
+    assert after - before == set(), "ranks outlived the killed trial"
+    assert process_tree(os.getpid())[0] == os.getpid()
