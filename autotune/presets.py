@@ -8,6 +8,7 @@ carries over to the real model; the weights are random, nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,6 @@ def parse_model_spec(value: str) -> ModelSpec:
             path = path / "config.json"
         if not path.is_file():
             raise UsageError(f"--model {value}: no such config file; give a path to a transformers config.json")
-        import json
-
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

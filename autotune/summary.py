@@ -66,7 +66,7 @@ def summarize(study: optuna.Study, tuner: Tuner, settings: RunSettings, elapsed_
             f"  {best.value / baseline.value:.2f}x the baseline (trial #{baseline.number}, "
             f"{baseline.user_attrs.get('label')}: {baseline.value:,.0f} tokens/s)"
         )
-    path = study_dir(settings.storage_url, study.study_name) / "best_config.json"
+    path = best_config_path(settings.storage_url, study.study_name)
     write_export(build_export(study, best, settings.storage_url), str(path))
     print(f"  wrote {path}")
     return 0

@@ -9,24 +9,24 @@ from log text.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+import traceback
+import warnings
+from pathlib import Path
 
-import json  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from autotune.config import TrialRequest, TrialResult, write_json_atomic  # noqa: E402
-from autotune.worker.runtime import die_with_parent  # noqa: E402
+from autotune.config import TrialRequest, write_json_atomic
+from autotune.worker.report import build_result
+from autotune.worker.runtime import die_with_parent, init_distributed
 
-die_with_parent()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from autotune.worker.report import build_result  # noqa: E402
-from autotune.worker.runtime import init_distributed  # noqa: E402
+# DTensor warns that its random ops on a CPU mesh are not rank-coordinated; the
+# weights of a throughput trial need not be, and the warning fills every log.
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 
 
 def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> None:
@@ -92,6 +92,7 @@ def main(argv: list[str]) -> int:
     config_path, trial_dir = Path(argv[0]), Path(argv[1])
     rank = int(os.environ.get("RANK", "0"))
     launched_at = float(os.environ["AUTOTUNE_LAUNCHED_AT"]) if "AUTOTUNE_LAUNCHED_AT" in os.environ else None
+    die_with_parent()
     try:
         request = load_request(json.loads(config_path.read_text()))
         run(request, trial_dir, launched_at)

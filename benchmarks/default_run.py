@@ -1,0 +1,134 @@
+"""The README's run on the embedded default, timed, split, and checked for reproducibility.
+
+    python benchmarks/default_run.py [--quick] [--repeats 3] [--out benchmarks/results/default_run.md]
+
+1. Runs ``autotune run --mem-budget 20GB`` in a fresh folder, as a user would,
+   and reports its wall time and how many trials finished.
+2. Splits each launched trial's wall time into launch + imports, model build,
+   FSDP wrap, warm-up, timed steps, memory step, and the rest (torchrun start
+   and teardown, result, persistence), from the phases every worker records.
+3. Re-measures the exported best configuration ``--repeats`` times on its own
+   (``autotune measure``) and compares tokens/s with the study's figure.
+4. Runs ``--mem-budget 1MB`` and checks the no-fit message and exit status 1.
+
+Prints a Markdown report; ``--out`` also writes it. ``--quick`` (CI) uses the
+smoke space and a short sequence so the script is kept working, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+PHASES = ("launch_and_import_s", "build_s", "wrap_s", "warmup_s", "timed_s", "memory_step_s")
+
+
+def autotune(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd, capture_output=True, text=True)
+    return done, time.perf_counter() - start
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke space, short sequence: keeps the script working in CI")
+    parser.add_argument("--repeats", type=int, default=3, help="re-measurements of the best configuration")
+    parser.add_argument("--out", default=None, help="also write the report to this Markdown file")
+    args = parser.parse_args()
+
+    extra = ["--space", "smoke", "--seq-len", "64", "--trials", "3"] if args.quick else []
+    work = Path(tempfile.mkdtemp(prefix="autotune-bench-"))
+    run, run_wall = autotune("run", "--mem-budget", "20GB", *extra, cwd=work)
+    if run.returncode != 0:
+        print(run.stdout, run.stderr, sep="\n")
+        return 1
+    storage = f"sqlite:///{work / 'studies' / 'autotune.db'}"
+    (name,) = optuna.get_all_study_names(storage)
+    study = optuna.load_study(study_name=name, storage=storage)
+    trials = study.get_trials(deepcopy=False)
+    finished = [t for t in trials if t.state == TrialState.COMPLETE and "reused_from" not in t.user_attrs]
+    launched = [t for t in trials if "wall_s" in t.user_attrs and "reused_from" not in t.user_attrs]
+
+    totals = {p: sum(t.user_attrs.get("phases", {}).get(p, 0.0) for t in launched) for p in PHASES}
+    wall_total = sum(t.user_attrs["wall_s"] for t in launched)
+    totals["other_s"] = wall_total - sum(totals.values())
+
+    best = study.best_trial
+    best_file = work / "studies" / name / "best_config.json"
+    repeats = []
+    for i in range(args.repeats):
+        done, _ = autotune("measure", str(best_file), "--output-dir", f"remeasure-{i}", cwd=work)
+        repeats.append(json.loads(done.stdout)["tokens_per_s"] if done.returncode == 0 else float("nan"))
+    ratios = [r / best.value for r in repeats]
+
+    nofit, _ = autotune("run", "--mem-budget", "1MB", "--space", "smoke", "--trials", "1", "--seq-len", "64", cwd=work)
+
+    lines = [
+        f"# Default run ({'quick' if args.quick else 'full'}) — {datetime.date.today().isoformat()}",
+        "",
+        f"Machine: {machine()}; command: `python benchmarks/default_run.py{' --quick' if args.quick else ''} --repeats {args.repeats}`",
+        "",
+        f"- `autotune run --mem-budget 20GB{' ' + ' '.join(extra) if extra else ''}`: **{run_wall:.0f} s** wall, "
+        f"{len(launched)} trials launched, **{len(finished)} finished with a measurement**, "
+        f"{len(trials)} trials in the study (pruned before launch and reused ones included).",
+        f"- Best: trial #{best.number} `{best.user_attrs['label']}`: {best.value:,.0f} tokens/s, "
+        f"peak {best.user_attrs['peak_memory_bytes'] / 2**20:.1f} MiB.",
+        f"- Re-measured alone {args.repeats}x: " + ", ".join(f"{r:,.0f}" for r in repeats)
+        + f" tokens/s; ratio to the study's figure: " + ", ".join(f"{r:.3f}" for r in ratios)
+        + f" (max deviation {max(abs(r - 1) for r in ratios) * 100:.1f}%).",
+        f"- `--mem-budget 1MB`: exit {nofit.returncode}; "
+        + next((line for line in nofit.stdout.splitlines() if line.startswith("No configuration fits")), "(no message)"),
+        "",
+        f"Wall time of the {len(launched)} launched trials, {wall_total:.1f} s in all, by phase:",
+        "",
+        "| phase | seconds | share |",
+        "|---|---:|---:|",
+    ]
+    for phase, seconds in totals.items():
+        lines.append(f"| {phase.removesuffix('_s')} | {seconds:.1f} | {100 * seconds / wall_total:.1f}% |")
+    measured = totals["warmup_s"] + totals["timed_s"]
+    lines += [
+        "",
+        f"Warm-up + timed steps: {100 * measured / wall_total:.1f}% of trial wall time; "
+        f"median trial {statistics.median(t.user_attrs['wall_s'] for t in launched):.1f} s.",
+        "",
+        "Summary printed by the run:",
+        "",
+        "```",
+        run.stdout.strip(),
+        "```",
+    ]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(report + "\n")
+    return 0 if nofit.returncode == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
