@@ -34,6 +34,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def parse_slot(text: str, device_count: int) -> tuple[int, ...]:
+    """``0,1`` or ``0-3`` (or a mix) to sorted device indices, checked against the host."""
+    devices: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            devices.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise UsageError(f"--devices {text}: write device indices like 0,1 or 0-3") from None
+    if not devices:
+        raise UsageError(f"--devices {text}: the slot holds no device")
+    bad = sorted(d for d in devices if not 0 <= d < device_count)
+    if bad:
+        raise UsageError(f"--devices {text}: device {bad[0]} does not exist; this host has devices 0-{device_count - 1}")
+    return tuple(sorted(devices))
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -92,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wrap-class", action="append", default=[], metavar="CLASS",
                      help="class name of the model's repeated block, for wrapping and checkpointing; repeat for "
                           "several (default: the model's _no_split_modules)")
+    run.add_argument("--devices", action="append", default=[], metavar="LIST",
+                     help="a device slot: GPU indices (CUDA_VISIBLE_DEVICES) or, on a CPU host, cores (affinity), "
+                          "like 0,1 or 0-3; repeat for several slots, and trials run side by side, one per slot "
+                          "(default: one slot holding every device)")
     run.add_argument("--quiet", action="store_true", help="print only the final summary")
 
     trials = commands.add_parser("trials", help="show the trials of a study",
@@ -133,6 +154,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         what = f"{host.cuda_device_count} GPUs" if host.device_type == "cuda" else f"{host.cpu_count} CPU cores and no GPU"
         raise UsageError(f"--nproc {nproc}: this host has {what}; use --nproc {host.device_count} or fewer")
     seq_len = args.seq_len or default_seq_len(spec)
+    slots = tuple(parse_slot(text, host.device_count) for text in args.devices)
+    if host.device_type == "cuda":
+        small = next((slot for slot in slots if len(slot) < nproc), None)
+        if small is not None:
+            raise UsageError(f"--devices {','.join(map(str, small))}: a slot needs at least --nproc {nproc} GPUs")
 
     from autotune.study import RunSettings, check_resumable, default_study_name, run_study
     from autotune.summary import summarize
@@ -154,6 +180,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps,
         timed_steps=args.timed_steps,
         quiet=args.quiet,
+        device_type=host.device_type,
+        slots=slots,
     )
     check_resumable(settings)
     if not args.quiet:

@@ -8,7 +8,6 @@ searching the log for words.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.config import TrialRequest, TrialResult, write_json_atomic
+from autotune.lifeline import die_with_parent
 
 # Seconds between SIGTERM and SIGKILL when a trial is stopped.
 KILL_GRACE_S = 5.0
@@ -31,6 +31,9 @@ class LaunchOutcome:
     wall_s: float
     log_path: Path
     trial_dir: Path
+    # Wall-clock seconds since the epoch: when the job started and ended.
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
 
 def torchrun_command(nproc: int, config_path: Path, trial_dir: Path) -> list[str]:
@@ -40,27 +43,33 @@ def torchrun_command(nproc: int, config_path: Path, trial_dir: Path) -> list[str
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "autotune.worker", str(config_path), str(trial_dir),
+        "-m", "autotune.worker.supervise", str(config_path), str(trial_dir),
     ]  # fmt: skip
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: torchrun gets SIGKILL if the
-    # driver dies, and its workers follow it (see worker.runtime).
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _trial_env(nproc: int, device_type: str) -> dict[str, str]:
+def _trial_env(nproc: int, device_type: str, devices: tuple[int, ...] | None) -> dict[str, str]:
     env = dict(os.environ)
     env["AUTOTUNE_LAUNCHED_AT"] = repr(time.time())
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if device_type == "cuda" and devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     if device_type == "cpu":
         # Ranks share the cores; more threads than cores makes timings noise.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        cores = len(devices) if devices is not None else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
     return env
+
+
+def _start_in_slot(device_type: str, devices: tuple[int, ...] | None):
+    """The child's set-up between fork and exec: die with the driver and, on a
+    CPU host with a device slot, run only on the slot's cores."""
+
+    def preexec() -> None:
+        die_with_parent()
+        if device_type == "cpu" and devices is not None:
+            os.sched_setaffinity(0, devices)
+
+    return preexec
 
 
 def process_tree(root_pid: int) -> list[int]:
@@ -111,22 +120,29 @@ def kill_process_tree(proc: subprocess.Popen) -> None:
 
 
 def launch_trial(
-    request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: float, device_type: str = "cpu"
+    request: TrialRequest,
+    trial_dir: Path,
+    nproc: int,
+    timeout_s: float,
+    device_type: str = "cpu",
+    devices: tuple[int, ...] | None = None,
 ) -> LaunchOutcome:
+    """Run one trial to its end; ``devices`` (GPU indices, or CPU cores) confines it to a slot."""
     trial_dir.mkdir(parents=True, exist_ok=True)
     config_path = trial_dir / "config.json"
     write_json_atomic(config_path, request.to_dict())
     log_path = trial_dir / "log.txt"
     start = time.perf_counter()
+    started_at = time.time()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             torchrun_command(nproc, config_path, trial_dir),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=_trial_env(nproc, device_type),
+            env=_trial_env(nproc, device_type, devices),
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_start_in_slot(device_type, devices),
         )
         try:
             proc.wait(timeout=timeout_s)
@@ -142,7 +158,8 @@ def launch_trial(
                 kill_process_tree(proc)
     wall_s = time.perf_counter() - start
     result = classify(trial_dir, proc.returncode, timed_out, timeout_s, log_path)
-    return LaunchOutcome(result=result, wall_s=wall_s, log_path=log_path, trial_dir=trial_dir)
+    return LaunchOutcome(result=result, wall_s=wall_s, log_path=log_path, trial_dir=trial_dir,
+                         started_at=started_at, ended_at=time.time())
 
 
 def _log_tail(log_path: Path) -> str:
@@ -177,16 +194,42 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
     result_path = trial_dir / "result.json"
     if exit_code == 0 and result_path.exists():
         return TrialResult.from_dict(json.loads(result_path.read_text()))
-    if failures:
-        first = failures[0]
+    # The root cause is the earliest failure: a rank's own error record, or a
+    # rank that died without one (killed by a signal, say). Its peers fail
+    # after it, when their collectives break.
+    died = _first_abnormal_exit(trial_dir)
+    first = failures[0] if failures else None
+    if first is not None and (died is None or first.get("time", 0) <= died.get("time", 0)):
         return TrialResult(
             status="crash",
             error=f"rank {first.get('rank')} failed: {first.get('error')}",
             failed_rank=first.get("rank"),
             exit_code=exit_code,
         )
+    if died is not None:
+        how = f"was killed by {died['signal']}" if died.get("signal") else f"exited with code {died['exit_code']}"
+        rank_log = trial_dir / f"rank{died['rank']}.log"
+        return TrialResult(
+            status="crash",
+            error=f"rank {died['rank']} {how} without reporting an error; last lines of its log:\n{_log_tail(rank_log)}",
+            failed_rank=died["rank"],
+            exit_code=died["exit_code"],
+        )
     return TrialResult(
         status="crash",
         error=f"torchrun exited with code {exit_code} and no rank reported why; log tail:\n{_log_tail(log_path)}",
         exit_code=exit_code,
     )
+
+
+def _first_abnormal_exit(trial_dir: Path) -> dict | None:
+    """The earliest rank whose supervisor saw it end badly (signal or non-zero code)."""
+    records = []
+    for path in trial_dir.glob("rank*.exit.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if record.get("exit_code") != 0:
+            records.append(record)
+    return min(records, key=lambda r: r.get("time", float("inf"))) if records else None

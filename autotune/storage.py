@@ -8,6 +8,7 @@ may share one file, so connections wait for the lock instead of failing with
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,32 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
     # Optuna logs every caught trial failure with its traceback; the tuner
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+    return _storage_class()(url, engine_kwargs=engine_kwargs, **kwargs)
+
+
+def _storage_class() -> type:
+    from optuna.storages import RDBStorage
+    from optuna.trial import TrialState
+
+    from autotune.locks import exclusive, lock_dir
+
+    class HostSerializedRDBStorage(RDBStorage):
+        """RDBStorage whose WAITING -> RUNNING step is atomic across threads and processes.
+
+        Optuna takes an enqueued trial by reading that it is WAITING and writing
+        RUNNING; on SQLite, which has no SELECT ... FOR UPDATE, two tuners (or
+        two threads of one) can both take it, and one then fails with "Cannot
+        tell a COMPLETE trial". A host-wide lock around that one step closes the race.
+        """
+
+        def set_trial_state_values(self, trial_id, state, values=None):  # type: ignore[override]
+            if state != TrialState.RUNNING:
+                return super().set_trial_state_values(trial_id, state, values)
+            digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
+            with exclusive(lock_dir() / f"storage-{digest}.lock"):
+                return super().set_trial_state_values(trial_id, state, values)
+
+    return HostSerializedRDBStorage
 
 
 def existing_study_names(url: str) -> list[str]:

@@ -9,7 +9,10 @@ imports torch: trials run in torchrun subprocesses.
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +25,8 @@ from autotune.config import FsdpConfig, TrialRequest, TrialResult
 from autotune.errors import UsageError
 from autotune.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launcher import launch_trial
+from autotune.lifeline import process_alive, process_start_ticks
+from autotune.locks import device_slot, exclusive
 from autotune.space import SearchSpace
 from autotune.storage import open_storage, sqlite_path, study_dir
 from autotune.units import format_bytes
@@ -58,6 +63,10 @@ class RunSettings:
     timed_steps: int = 6
     nnodes: int = 1
     quiet: bool = False
+    device_type: str = "cpu"
+    # Device sets a trial may run on (GPU indices, or CPU cores); one trial per
+    # slot at a time, so several slots run trials side by side.
+    slots: tuple[tuple[int, ...], ...] = ()
 
 
 def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str) -> str:
@@ -177,6 +186,8 @@ class Tuner:
         self.host = host
         self.model = model
         self.counts = RunCounts()
+        # Optuna runs one objective per slot in threads; counts are shared.
+        self._lock = threading.Lock()
         configs = settings.space.enumerate(model.layer_classes)
         self.space_size = len(configs)
         # Exhaustion is only worth checking for spaces a study can finish.
@@ -198,51 +209,79 @@ class Tuner:
         self.say(f"[{self.counts.launched:>3}/{self.settings.trials}] #{trial.number:<3} {cfg.describe()}: {outcome}{best_text}")
 
     # -- the objective ------------------------------------------------------
+    def _count(self, name: str, idle: bool | None = None) -> None:
+        with self._lock:
+            setattr(self.counts, name, getattr(self.counts, name) + 1)
+            if idle is not None:
+                self.counts.idle_draws = self.counts.idle_draws + 1 if idle else 0
+
     def objective(self, trial: optuna.Trial) -> float:
-        # An enqueued trial (the baseline) may hold values outside the space file.
+        # An enqueued trial (the baseline, a retry) may hold values outside the space file.
         fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
         cfg = self.settings.space.suggest(trial, self.model.layer_classes, fixed)
         trial.set_user_attr("config", cfg.to_dict())
         trial.set_user_attr("label", cfg.describe())
+        trial.set_user_attr("runner", runner_identity())
 
         reason = host_incompatibility(cfg, self.host, self.settings.nnodes)
         if reason is not None:
-            self.counts.pruned += 1
-            self.counts.idle_draws += 1
+            self._count("pruned", idle=True)
             trial.set_user_attr("prune_reason", reason)
             self._progress(trial, cfg, f"not launched: {reason}")
             raise optuna.TrialPruned(reason)
 
-        previous = self._already_measured(cfg, trial.number)
-        if previous is not None:
-            return self._reuse(trial, previous)
+        while True:
+            # The claim is atomic across every tuner on this host: two of them
+            # drawing the same configuration measure it once.
+            with exclusive(self.folder / "claims.lock"):
+                previous, running = self._already_measured(cfg, trial.number)
+                if previous is None and running is None:
+                    trial.set_user_attr("claimed", True)
+            if previous is not None:
+                return self._reuse(trial, previous)
+            if running is None:
+                break
+            self._progress(trial, cfg, f"being measured by trial #{running.number}; waiting to reuse its result")
+            self._wait_for(running)
 
-        self.counts.idle_draws = 0
-        self.counts.launched += 1
+        self._count("launched", idle=False)
         return self._launch(trial, cfg)
 
-    def _already_measured(self, cfg: FsdpConfig, number: int) -> FrozenTrial | None:
+    def _wait_for(self, other: FrozenTrial) -> None:
+        deadline = time.monotonic() + self.settings.trial_timeout_s + 60
+        while time.monotonic() < deadline:
+            current = self.study._storage.get_trial(other._trial_id)
+            if current.state.is_finished() or not _runner_alive(current):
+                return
+            time.sleep(1.0)
+
+    def _already_measured(self, cfg: FsdpConfig, number: int) -> tuple[FrozenTrial | None, FrozenTrial | None]:
         """An earlier trial of the same configuration whose answer would not
-        change: measured, stopped early as hopeless, or crashed (a crash from
-        the configuration itself repeats; a timeout may not, so it is retried)."""
+        change (measured, stopped early as hopeless, or crashed: a crash from
+        the configuration itself repeats, a timeout may not, so it is retried),
+        and a live trial measuring it right now."""
         key = cfg.key()
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
-            if t.number == number:
+        finished, running = None, None
+        for t in self.study.get_trials(deepcopy=False):
+            if t.number == number or trial_config(t) is None or trial_config(t).key() != key:
+                continue
+            if t.state == TrialState.RUNNING:
+                if t.user_attrs.get("claimed") and _runner_alive(t):
+                    running = t
                 continue
             if t.state == TrialState.PRUNED and not t.user_attrs.get("aborted"):
                 continue
             if t.state == TrialState.FAIL and t.user_attrs.get("cause") != "crash":
                 continue
-            other = trial_config(t)
-            if other is not None and other.key() == key:
-                return t
-        return None
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
+                finished = finished or t
+        return finished, running
 
     def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> float:
-        self.counts.reused += 1
-        self.counts.idle_draws += 1
+        self._count("reused", idle=True)
         for name, value in previous.user_attrs.items():
-            if name not in ("config", "label", "baseline"):
+            # Only what was measured; not when and where that other trial ran.
+            if name not in ("config", "label", "baseline", "runner", "claimed", "started_at", "ended_at", "devices", "wall_s"):
                 trial.set_user_attr(name, value)
         trial.set_user_attr("reused_from", previous.number)
         self._progress(trial, trial_config(previous), f"same configuration as trial #{previous.number}, not launched again")
@@ -268,8 +307,17 @@ class Tuner:
         trial_dir = self.folder / "trials" / str(trial.number)
         if not self.settings.quiet and sys.stderr.isatty():
             print(f"[{self.counts.launched:>3}/{self.settings.trials}] #{trial.number:<3} {cfg.describe()}: running...", end="\r", file=sys.stderr, flush=True)
-        outcome = launch_trial(request, trial_dir, self.settings.nproc, self.settings.trial_timeout_s, self.host.device_type)
-        self.counts.trial_wall_s.append(outcome.wall_s)
+        # Every trial holds its devices: other tuners on this host wait their turn.
+        slots = list(self.settings.slots) or [tuple(range(self.host.device_count))]
+        waiting = lambda: self._progress(trial, cfg, "waiting for a free device slot")  # noqa: E731
+        with device_slot(self.host.device_type, slots, on_wait=waiting) as slot:
+            trial.set_user_attr("devices", list(slot))
+            outcome = launch_trial(request, trial_dir, self.settings.nproc, self.settings.trial_timeout_s,
+                                   self.host.device_type, devices=slot)
+        with self._lock:
+            self.counts.trial_wall_s.append(outcome.wall_s)
+        trial.set_user_attr("started_at", outcome.started_at)
+        trial.set_user_attr("ended_at", outcome.ended_at)
         result = outcome.result
         trial.set_user_attr("status", result.status)
         trial.set_user_attr("trial_dir", str(trial_dir))
@@ -298,7 +346,7 @@ class Tuner:
             self._progress(trial, cfg, f"{result.tokens_per_s:,.0f} tok/s, peak {format_bytes(peak)} ({fit}), {trial.user_attrs['wall_s']:.1f}s")
             return float(result.tokens_per_s)
         if result.status == "aborted":
-            self.counts.aborted += 1
+            self._count("aborted")
             reason = f"hopeless: {result.tokens_per_s:,.0f} tok/s after warm-up, under 1/{ABORT_FACTOR:g} of the best {best:,.0f}"
             trial.set_user_attr("aborted", True)
             trial.set_user_attr("tokens_per_s_partial", result.tokens_per_s)
@@ -318,7 +366,7 @@ class Tuner:
             _set_constraint(trial, float(max(peak - budget, 1)))
             self._progress(trial, cfg, f"out of memory on rank {result.failed_rank}: infeasible")
             return 0.0
-        self.counts.failed += 1
+        self._count("failed")
         trial.set_user_attr("cause", result.status)
         trial.set_user_attr("error", result.error)
         trial.set_user_attr("failed_rank", result.failed_rank)
@@ -346,25 +394,67 @@ class Tuner:
         return self.space_keys <= seen
 
 
+def runner_identity() -> dict[str, Any]:
+    """Which process runs a trial: host, pid and the pid's start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_ticks(os.getpid())}
+
+
+def _runner_alive(trial: FrozenTrial) -> bool:
+    """False only when the trial's tuner ran on this host and is gone; on
+    another host the heartbeat decides."""
+    runner = trial.user_attrs.get("runner")
+    if not runner or runner.get("host") != socket.gethostname():
+        return True
+    return process_alive(runner["pid"]) and process_start_ticks(runner["pid"]) == runner.get("start")
+
+
+def recover_stale_trials(study: optuna.Study, say) -> int:
+    """Fail the RUNNING trials whose tuner died on this host, and queue them again.
+
+    Optuna's heartbeat does the same after its grace period, for any host;
+    here a dead tuner is certain at once, so the retry need not wait.
+    """
+    recovered = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if _runner_alive(t):
+            continue
+        study._storage.set_trial_user_attr(t._trial_id, "cause", "tuner died")
+        study._storage.set_trial_user_attr(
+            t._trial_id, "error", "the autotune process running this trial died; the trial was queued again"
+        )
+        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+        cfg = trial_config(t)
+        attrs = {"retry_of": t.number, **({"baseline": True} if t.user_attrs.get("baseline") else {})}
+        study.enqueue_trial(_as_params(cfg) if cfg else t.params, user_attrs=attrs)
+        say(f"Trial #{t.number} was left RUNNING by a tuner that died; marked failed and queued again.")
+        recovered += 1
+    return recovered
+
+
 def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[optuna.Study, Tuner, float]:
     """Run (or resume) the study until ``settings.trials`` launches are done."""
     check_resumable(settings)
     storage = open_storage(settings.storage_url, heartbeat=True)
     study = load_or_create_study(settings, storage)
     study.set_user_attr("host", host.as_dict())
-    if not study.trials:
-        baseline = baseline_config(host, model.layer_classes)
-        study.enqueue_trial(_as_params(baseline, settings.space), user_attrs={"baseline": True})
     tuner = Tuner(study, settings, host, model)
+    # Several tuners may start on one study at once: one of them enqueues the baseline.
+    with exclusive(tuner.folder / "claims.lock"):
+        if not study.get_trials(deepcopy=False):
+            baseline = baseline_config(host, model.layer_classes)
+            study.enqueue_trial(_as_params(baseline), user_attrs={"baseline": True})
+        recover_stale_trials(study, tuner.say)
     start = time.perf_counter()
     if tuner.space_exhausted(study):
         tuner.say(f"All {tuner.space_size} configurations of the space were measured in earlier runs.")
     else:
-        study.optimize(tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,))
+        study.optimize(
+            tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,), n_jobs=max(1, len(settings.slots))
+        )
     return study, tuner, time.perf_counter() - start
 
 
-def _as_params(cfg: FsdpConfig, space: SearchSpace) -> dict[str, Any]:
+def _as_params(cfg: FsdpConfig) -> dict[str, Any]:
     """Enqueued parameters: every field, so the trial is exactly ``cfg`` even
     where the space file does not offer that value."""
     data = cfg.to_dict()

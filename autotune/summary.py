@@ -39,6 +39,13 @@ def summarize(study: optuna.Study, tuner: Tuner, settings: RunSettings, elapsed_
                 "Raise --mem-budget, or add memory-saving choices (FULL_SHARD, activation checkpointing, "
                 "smaller micro_batch_size, cpu_offload on GPUs) to the space."
             )
+        elif any(t.user_attrs.get("cause") == "oom" for t in complete):
+            ooms = sum(t.user_attrs.get("cause") == "oom" for t in complete)
+            print(
+                f"No configuration fits in {settings.budget_text}: all {ooms} configurations that ran went out of memory. "
+                "Add memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, cpu_offload) "
+                "or use more devices."
+            )
         else:
             print(f"No configuration fits in {settings.budget_text}: no trial finished with a measurement; see 'autotune trials'.")
         return 1

@@ -67,3 +67,37 @@ def crash_on_rank1():
 
 def hang():
     return _HangingLM()
+
+
+class _KilledOnRank1LM(_TinyLM):
+    def forward(self, input_ids, labels=None):
+        if torch.distributed.get_rank() == 1:
+            import os
+            import signal
+
+            print("rank 1 is about to be killed (test model)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(input_ids, labels)
+
+
+def killed_on_rank1():
+    return _KilledOnRank1LM()
+
+
+class _HangOnceLM(_TinyLM):
+    """Hangs in the first run that reaches forward (leaving a marker file in the
+    working folder), trains normally in every later run."""
+
+    def forward(self, input_ids, labels=None):
+        from pathlib import Path
+
+        marker = Path("hang-once.marker")
+        if not marker.exists():
+            if torch.distributed.get_rank() == 0:
+                marker.write_text("hung once\n")
+            time.sleep(3600)
+        return super().forward(input_ids, labels)
+
+
+def hang_once():
+    return _HangOnceLM()

@@ -100,6 +100,16 @@ def test_crash_names_the_rank(tmp_path_factory):
     assert outcome.result.exit_code != 0
 
 
+def test_rank_killed_by_a_signal_is_named_with_its_log(tmp_path_factory):
+    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=1), model="tests.models:killed_on_rank1")
+    result = outcome.result
+    assert result.status == "crash"
+    assert result.failed_rank == 1
+    assert result.exit_code == -9
+    assert "rank 1 was killed by SIGKILL" in result.error
+    assert "rank 1 is about to be killed" in result.error  # the last lines of its own log
+
+
 def test_timeout_kills_the_whole_job(tmp_path_factory):
     import subprocess
 

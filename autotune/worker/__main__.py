@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from autotune.config import TrialRequest, write_json_atomic
 from autotune.worker.report import build_result
-from autotune.worker.runtime import die_with_parent, init_distributed
+from autotune.lifeline import die_with_parent
+from autotune.worker.runtime import init_distributed
 
 # DTensor warns that its random ops on a CPU mesh are not rank-coordinated; the
 # weights of a throughput trial need not be, and the warning fills every log.

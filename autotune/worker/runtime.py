@@ -1,32 +1,12 @@
-"""The process side of a rank: dying with its launcher, and joining the process group."""
+"""The process side of a rank: choosing its device and joining the process group."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (torchrun) dies.
-
-    torchrun stops its workers when it exits normally; this covers the case
-    where torchrun itself is killed with SIGKILL and cannot. No-op off Linux.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    # The parent may have died before the prctl call; then we were re-parented.
-    if os.getppid() == 1:
-        os._exit(1)
 
 
 @dataclass(frozen=True)

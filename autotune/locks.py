@@ -1,0 +1,91 @@
+"""Host-wide locks: one trial per device at a time, and one claim per configuration.
+
+Timings are only honest when no other trial shares the devices, including
+trials of other ``autotune run`` processes on the same host. Each device (GPU
+index, or CPU core) has a lock file; a trial takes every device of its slot,
+all or none, so slots that overlap can never run together. The locks are
+``flock`` locks: the kernel drops them when the holder dies, even by SIGKILL,
+so a killed tuner never leaves a device locked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+POLL_S = 0.5
+
+
+def lock_dir() -> Path:
+    path = Path(os.environ.get("AUTOTUNE_LOCK_DIR") or Path(tempfile.gettempdir()) / "autotune-locks")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _try_lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _release(fds: list[int]) -> None:
+    for fd in fds:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _try_slot(device_type: str, devices: tuple[int, ...]) -> list[int] | None:
+    host = socket.gethostname()
+    held: list[int] = []
+    # A fixed order keeps two holders of overlapping slots from deadlocking.
+    for device in sorted(devices):
+        fd = _try_lock(lock_dir() / f"{host}-{device_type}{device}.lock")
+        if fd is None:
+            _release(held)
+            return None
+        held.append(fd)
+    return held
+
+
+@contextmanager
+def device_slot(
+    device_type: str, slots: list[tuple[int, ...]], on_wait: Callable[[], None] | None = None
+) -> Iterator[tuple[int, ...]]:
+    """Hold the first free slot of ``slots`` while the block runs; wait for one if none is free."""
+    waited = False
+    while True:
+        for slot in slots:
+            held = _try_slot(device_type, slot)
+            if held is not None:
+                try:
+                    yield slot
+                finally:
+                    _release(held)
+                return
+        if not waited and on_wait is not None:
+            on_wait()
+            waited = True
+        time.sleep(POLL_S)
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """A blocking lock on ``path``: a critical section across processes of this host."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

@@ -1,0 +1,57 @@
+"""What torchrun starts for each rank: ``python -m autotune.worker.supervise CONFIG TRIAL_DIR``.
+
+It runs the real rank (``python -m autotune.worker``) as its child, copies the
+child's output to the trial log and to ``rank<N>.log``, and records how the
+child ended in ``rank<N>.exit.json``: exit code, or the signal that killed it.
+A rank killed by SIGKILL or a segfault cannot write anything itself; this way
+the driver still learns which rank died and how, without reading log text.
+Standard library only, so it starts in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from autotune.config import write_json_atomic
+from autotune.lifeline import die_with_parent
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m autotune.worker.supervise CONFIG_JSON TRIAL_DIR", file=sys.stderr)
+        return 2
+    config, trial_dir = argv[0], Path(argv[1])
+    die_with_parent()
+    rank = int(os.environ.get("RANK", "0"))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "autotune.worker", config, str(trial_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
+    # torchrun stops a job by signalling each rank's process group, which holds
+    # the child too; SIGTERM is forwarded in case it is sent to this pid alone.
+    signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+    with open(trial_dir / f"rank{rank}.log", "wb") as rank_log:
+        for line in iter(child.stdout.readline, b""):
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+            rank_log.write(line)
+            rank_log.flush()
+    code = child.wait()
+    record = {"rank": rank, "exit_code": code, "signal": None, "time": time.time(), "pid": child.pid}
+    if code < 0:
+        record["signal"] = signal.Signals(-code).name
+    write_json_atomic(trial_dir / f"rank{rank}.exit.json", record)
+    # Mirror the child's ending so torchrun sees the same failure.
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
