@@ -120,10 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_study_args(trials)
     trials.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: table)")
 
-    export = commands.add_parser("export", help="write the best feasible configuration",
-                                 description="Export the best feasible trial (or --trial N) as autotune.fsdp-config/v1 JSON.")
+    export = commands.add_parser(
+        "export", help="write the best feasible configuration",
+        description="Export the best feasible trial (or --trial N): json (autotune.fsdp-config/v1), accelerate "
+                    "(config YAML for accelerate launch), hf (TrainingArguments fsdp/fsdp_config as JSON), "
+                    "torchtitan (TOML job-file fragment, v0.2.2 schema) or python (a module applying it with torch "
+                    "only). What a format cannot express is said in the file and on stderr.")
     _add_study_args(export)
-    export.add_argument("-f", "--format", choices=("json",), default="json", help="output format (default: json)")
+    export.add_argument("-f", "--format", choices=("json", "accelerate", "hf", "torchtitan", "python"), default="json",
+                        help="output format (default: json)")
     export.add_argument("-o", "--output", default=None, metavar="FILE", help="file to write (default: stdout)")
     export.add_argument("--trial", type=int, default=None, metavar="N", help="export trial N instead of the best")
 
@@ -222,7 +227,7 @@ def cmd_trials(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from optuna.trial import TrialState
 
-    from autotune.export import build_export, write_export
+    from autotune.export import build_export, write_text
     from autotune.study import best_feasible
 
     study = _open_study(args)
@@ -235,7 +240,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not matches or matches[0].state != TrialState.COMPLETE or "tokens_per_s" not in matches[0].user_attrs:
             raise UsageError(f"--trial {args.trial}: no measured trial with that number in {study.study_name}")
         trial = matches[0]
-    write_export(build_export(study, trial, args.storage), args.output)
+    from autotune.formats import render
+
+    text, notes = render(build_export(study, trial, args.storage), args.format)
+    for note in notes:
+        print(f"autotune export: {args.format} cannot express {note}", file=sys.stderr)
+    write_text(text, args.output)
     return 0
 
 

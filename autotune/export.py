@@ -9,13 +9,14 @@ measurement can be repeated from the file alone.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from pathlib import Path
 from typing import Any
 
 from autotune import __version__
-from autotune.config import FsdpConfig, TrialRequest, write_json_atomic
+from autotune.config import FsdpConfig, TrialRequest
 
 SCHEMA = "autotune.fsdp-config/v1"
 
@@ -63,9 +64,17 @@ def request_from_export(doc: dict[str, Any], **overrides: Any) -> TrialRequest:
 
 
 def write_export(doc: dict[str, Any], output: str | None) -> None:
-    """To a file (atomically) or, with no path or ``-``, to stdout."""
+    """JSON to a file (atomically) or, with no path or ``-``, to stdout."""
+    write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", output)
+
+
+def write_text(text: str, output: str | None) -> None:
+    """To a file, atomically (a reader never sees half of it), or to stdout."""
     if output in (None, "-"):
-        json.dump(doc, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
-    else:
-        write_json_atomic(Path(output), doc)
+        sys.stdout.write(text)
+        return
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,196 @@
+"""Every export format, read back by the tool it is for."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+
+import optuna
+import pytest
+import yaml
+
+from autotune.config import FsdpConfig
+from autotune.export import build_export
+from autotune.formats import render
+
+LAYER = ("LlamaDecoderLayer",)
+CONFIGS = {
+    "fsdp1-full-layer-bf16-ac": FsdpConfig(fsdp_version=1, sharding_strategy="FULL_SHARD", transformer_layer_cls=LAYER,
+                                           mixed_precision="bf16", activation_checkpointing="full",
+                                           backward_prefetch="BACKWARD_POST", forward_prefetch=True, micro_batch_size=2),
+    "fsdp1-hybrid-size-fp16": FsdpConfig(fsdp_version=1, sharding_strategy="HYBRID_SHARD", auto_wrap_policy="size_based",
+                                         min_num_params=5000, transformer_layer_cls=LAYER, mixed_precision="fp16",
+                                         limit_all_gathers=False, cpu_offload=True),
+    "fsdp2-sgo-every-other": FsdpConfig(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP", transformer_layer_cls=LAYER,
+                                        mixed_precision="bf16_fp32_reduce", activation_checkpointing="every_other_layer",
+                                        forward_prefetch=True, micro_batch_size=4),
+    "fsdp2-noshard-fp32": FsdpConfig(fsdp_version=2, sharding_strategy="NO_SHARD", transformer_layer_cls=LAYER),
+}
+
+
+def export_doc(cfg: FsdpConfig, device: str = "cpu") -> dict:
+    """An export built the real way: a trial in an Optuna study, through build_export."""
+    study = optuna.create_study(direction="maximize", study_name="formats")
+    study.set_user_attr("identity", {"model": "llama-tiny", "seq_len": 128, "budget_bytes": 10**9, "nproc": 2})
+    study.set_user_attr("budget", "1GB")
+    study.add_trial(optuna.trial.create_trial(value=1234.0, user_attrs={
+        "config": cfg.to_dict(), "tokens_per_s": 1234.0, "peak_memory_bytes": 5 * 2**20, "world_size": 2,
+        "device": device, "torch_version": "2.x", "transformers_version": "5.x"}))
+    return build_export(study, study.trials[0], "sqlite:///studies/autotune.db")
+
+
+@pytest.fixture(params=list(CONFIGS), ids=list(CONFIGS))
+def case(request):
+    cfg = CONFIGS[request.param]
+    return cfg, export_doc(cfg)
+
+
+def test_accelerate_builds_its_fsdp_plugin_from_the_yaml(case, tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    cfg, doc = case
+    text, notes = render(doc, "accelerate")
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    for note in notes:
+        assert f"NOT EXPRESSIBLE HERE: {note}" in text
+    # What `accelerate launch --config_file` does: config file -> arguments -> environment -> plugin.
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == cfg.fsdp_version
+    assert plugin.activation_checkpointing == (cfg.activation_checkpointing != "none")
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == {"fp32": "no", "fp16": "fp16"}.get(cfg.mixed_precision, "bf16")
+    if cfg.fsdp_version == 1:
+        assert plugin.sharding_strategy.name == cfg.sharding_strategy
+        assert (plugin.backward_prefetch.name if plugin.backward_prefetch else "none") == cfg.backward_prefetch
+        assert plugin.forward_prefetch == cfg.forward_prefetch
+        assert plugin.cpu_offload.offload_params == cfg.cpu_offload
+    else:
+        assert plugin.reshard_after_forward == cfg.reshard_after_forward
+    if cfg.auto_wrap_policy == "transformer_layer":
+        assert os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "LlamaDecoderLayer"
+    if cfg.auto_wrap_policy == "size_based":
+        assert os.environ["FSDP_MIN_NUM_PARAMS"] == str(cfg.min_num_params)
+    assert yaml.safe_load(text)["num_processes"] == 2
+
+
+def test_training_arguments_accept_the_hf_output(case, tmp_path):
+    from transformers import TrainingArguments
+
+    cfg, doc = case
+    data = json.loads(render(doc, "hf")[0])
+    kwargs = {k: data[k] for k in ("fsdp", "fsdp_config", "bf16", "fp16", "per_device_train_batch_size", "use_cpu")}
+    if cfg.fsdp_version == 2 or cfg.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+        args = TrainingArguments(output_dir=str(tmp_path), **kwargs)
+        assert args.fsdp_config["version"] == cfg.fsdp_version
+        plugin_args = args.fsdp_plugin_args
+        assert plugin_args["fsdp_version"] == cfg.fsdp_version
+        assert plugin_args["activation_checkpointing"] == (cfg.activation_checkpointing != "none")
+        if cfg.fsdp_version == 2:
+            assert plugin_args["reshard_after_forward"] == cfg.reshard_after_forward
+        else:
+            assert plugin_args["reshard_after_forward"] == cfg.sharding_strategy.lower()
+        assert args.per_device_train_batch_size == cfg.micro_batch_size
+    if cfg.activation_checkpointing == "every_other_layer":
+        assert any("every_other_layer" in n for n in data["notes"])
+
+
+# The torchtitan v0.2.2 job-file keys this exporter may write, and their types.
+TORCHTITAN_SCHEMA = {
+    "parallelism": {"data_parallel_shard_degree": int, "data_parallel_replicate_degree": int, "fsdp_reshard_after_forward": str},
+    "training": {"mixed_precision_param": str, "mixed_precision_reduce": str, "enable_cpu_offload": bool,
+                 "local_batch_size": int, "seq_len": int},
+    "activation_checkpoint": {"mode": str, "selective_ac_option": str},
+}
+
+
+def test_torchtitan_toml_parses_and_matches_the_schema(case):
+    cfg, doc = case
+    text, notes = render(doc, "torchtitan")
+    data = tomllib.loads(text)
+    for section, keys in data.items():
+        for key, value in keys.items():
+            assert isinstance(value, TORCHTITAN_SCHEMA[section][key]), (section, key)
+    assert data["parallelism"]["fsdp_reshard_after_forward"] in ("default", "always", "never")
+    assert data["training"]["mixed_precision_param"] in ("bfloat16", "float32")
+    assert data["activation_checkpoint"]["mode"] in ("none", "selective", "full")
+    assert data["training"]["local_batch_size"] == cfg.micro_batch_size
+    if cfg.fsdp_version == 1:
+        assert any("torchtitan always uses FSDP2" in n for n in notes)
+    if cfg.forward_prefetch:
+        assert any("forward_prefetch" in n for n in notes)
+
+
+TRAIN_WITH_EXPORT = '''
+import math, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from fsdp_config import CONFIG, apply_fsdp, make_grad_scaler
+from transformers import LlamaConfig, LlamaForCausalLM
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=4, vocab_size=256))
+model = apply_fsdp(model, device=torch.device("cpu"))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = make_grad_scaler()
+tokens = torch.randint(0, 256, (2, 32))
+for _ in range(2):
+    loss = model(input_ids=tokens, labels=tokens).loss
+    (scaler.scale(loss) if scaler else loss).backward()
+    if scaler:
+        scaler.step(opt); scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad()
+assert math.isfinite(loss.item())
+kind = type(model).__name__
+if dist.get_rank() == 0:
+    print("TRAINED", kind, CONFIG["fsdp_version"], loss.item())
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("name", ["fsdp1-full-layer-bf16-ac", "fsdp2-sgo-every-other"])
+def test_python_module_wraps_a_model_in_a_real_torchrun_job(name, tmp_path):
+    cfg = CONFIGS[name]
+    text, _ = render(export_doc(cfg), "python")
+    (tmp_path / "fsdp_config.py").write_text(text)
+    (tmp_path / "train.py").write_text(TRAIN_WITH_EXPORT)
+    # A clean environment: the module must not need autotune.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "import autotune" not in text and "from autotune" not in text
+    line = next(l for l in done.stdout.splitlines() if l.startswith("TRAINED"))
+    assert line.split()[1] == ("FullyShardedDataParallel" if cfg.fsdp_version == 1 else "FSDPLlamaForCausalLM")
+
+
+def test_export_command_writes_each_format_and_says_what_it_dropped(tmp_path):
+    from tests.conftest import run_cli
+
+    storage = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    study = optuna.create_study(direction="maximize", study_name="s", storage=storage)
+    doc_study = export_doc(CONFIGS["fsdp2-sgo-every-other"])
+    study.set_user_attr("identity", {"model": "llama-tiny", "seq_len": 128, "budget_bytes": 10**9, "nproc": 2})
+    study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={
+        "config": doc_study["fsdp"], "tokens_per_s": 1.0, "peak_memory_bytes": 1, "world_size": 2, "device": "cpu"}))
+    for fmt, name in [("accelerate", "a.yaml"), ("hf", "h.json"), ("torchtitan", "t.toml"), ("python", "p.py"), ("json", "j.json")]:
+        done = run_cli("export", "--storage", storage, "-f", fmt, "-o", name, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / name).read_text()
+        if fmt in ("accelerate", "hf"):
+            assert "cannot express activation_checkpointing=every_other_layer" in done.stderr
+        if fmt == "torchtitan":
+            assert "cannot express forward_prefetch=true" in done.stderr
