@@ -132,6 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-o", "--output", default=None, metavar="FILE", help="file to write (default: stdout)")
     export.add_argument("--trial", type=int, default=None, metavar="N", help="export trial N instead of the best")
 
+    report = commands.add_parser("report", help="write a self-contained HTML report of a study",
+                                 description="One HTML file with plotly.js inline (works offline): tokens/s against peak "
+                                             "memory with the budget and the Pareto front, the optimization history, "
+                                             "tokens/s per choice of each dimension, parameter importances, and the top configurations.")
+    _add_study_args(report)
+    report.add_argument("-o", "--output", default=None, metavar="FILE",
+                        help="HTML file to write (default: studies/<study>/report.html beside the database)")
+
+    dashboard = commands.add_parser("dashboard", help="serve optuna-dashboard on the study database",
+                                    description="Start optuna-dashboard on the storage (Ctrl-C stops it). Binds to "
+                                                "127.0.0.1 unless --host says otherwise.")
+    _add_study_args(dashboard)
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    dashboard.add_argument("--port", type=_positive_int, default=8080, help="port (default: 8080)")
+
     measure = commands.add_parser("measure", help="measure one configuration again, outside any study",
                                   description="Launch one trial from an exported JSON file (or a trial's config.json) and print its result.")
     measure.add_argument("file", help="exported best_config.json, or a trial's config.json")
@@ -249,6 +264,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from autotune.export import write_text
+    from autotune.report import build_report
+    from autotune.storage import study_dir
+
+    study = _open_study(args)
+    output = args.output or str(study_dir(args.storage, study.study_name) / "report.html")
+    write_text(build_report(study), output)
+    print(f"wrote {output}")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from autotune.dashboard import serve, update_study_note
+
+    study = _open_study(args) if args.study_name else None
+    if study is not None:
+        update_study_note(study)
+    print(f"optuna-dashboard on {args.storage}: http://{args.host}:{args.port}/dashboard/ (Ctrl-C stops it)", flush=True)
+    serve(args.storage, args.host, args.port)
+    return 0
+
+
 def cmd_measure(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
@@ -277,7 +315,10 @@ def cmd_measure(args: argparse.Namespace) -> int:
     return 0 if result.status == "ok" else 1
 
 
-COMMANDS = {"run": cmd_run, "trials": cmd_trials, "export": cmd_export, "measure": cmd_measure}
+COMMANDS = {
+    "run": cmd_run, "trials": cmd_trials, "export": cmd_export, "report": cmd_report,
+    "dashboard": cmd_dashboard, "measure": cmd_measure,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

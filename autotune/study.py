@@ -187,7 +187,8 @@ class Tuner:
         self.model = model
         self.counts = RunCounts()
         # Optuna runs one objective per slot in threads; counts are shared.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.bar = None
         configs = settings.space.enumerate(model.layer_classes)
         self.space_size = len(configs)
         # Exhaustion is only worth checking for spaces a study can finish.
@@ -196,8 +197,37 @@ class Tuner:
 
     # -- progress -----------------------------------------------------------
     def say(self, text: str) -> None:
-        if not self.settings.quiet:
-            print(text, file=sys.stderr, flush=True)
+        """One event: to the plain log in the study folder always, to the terminal unless --quiet."""
+        with self._lock:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.folder / "run.log", "a") as log:
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+            if self.settings.quiet:
+                return
+            if self.bar is not None:
+                self.bar.write(text, file=sys.stderr)
+            else:
+                print(text, file=sys.stderr, flush=True)
+
+    def start_progress(self) -> None:
+        """A live bar (trials launched of N, elapsed, state, best so far) when stderr is a terminal."""
+        if self.settings.quiet or not sys.stderr.isatty():
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.settings.trials, desc="trials", unit="trial", file=sys.stderr, dynamic_ncols=True)
+
+    def show_state(self, state: str) -> None:
+        if self.bar is not None:
+            best = self._best_value()
+            with self._lock:
+                self.bar.n = min(self.counts.launched, self.settings.trials)
+                self.bar.set_postfix_str(f"{state} | best {best:,.0f} tok/s" if best else state)
+
+    def close_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
     def _best_value(self) -> float | None:
         best = best_feasible(self.study)
@@ -305,8 +335,7 @@ class Tuner:
             abort_below_tokens_per_s=best / ABORT_FACTOR if best else None,
         )
         trial_dir = self.folder / "trials" / str(trial.number)
-        if not self.settings.quiet and sys.stderr.isatty():
-            print(f"[{self.counts.launched:>3}/{self.settings.trials}] #{trial.number:<3} {cfg.describe()}: running...", end="\r", file=sys.stderr, flush=True)
+        self.show_state(f"#{trial.number} running: {cfg.describe()}")
         # Every trial holds its devices: other tuners on this host wait their turn.
         slots = list(self.settings.slots) or [tuple(range(self.host.device_count))]
         waiting = lambda: self._progress(trial, cfg, "waiting for a free device slot")  # noqa: E731
@@ -377,6 +406,9 @@ class Tuner:
 
     # -- stopping -----------------------------------------------------------
     def stop_when_done(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.show_state(f"#{trial.number} {trial.state.name.lower()}")
+        if trial.state == TrialState.COMPLETE:
+            self.refresh_note(study)
         if self.counts.launched >= self.settings.trials:
             study.stop()
         elif self.space_exhausted(study):
@@ -385,6 +417,15 @@ class Tuner:
         elif self.counts.idle_draws >= MAX_IDLE_DRAWS:
             self.say(f"The last {MAX_IDLE_DRAWS} draws were all pruned or already measured; stopping.")
             study.stop()
+
+    def refresh_note(self, study: optuna.Study) -> None:
+        """Keep the dashboard's study note on the current best; cosmetic, so never fatal."""
+        try:
+            from autotune.dashboard import update_study_note
+
+            update_study_note(study)
+        except Exception as exc:  # noqa: BLE001 - a concurrent note edit must not stop tuning
+            self.say(f"(could not update the dashboard note: {exc})")
 
     def space_exhausted(self, study: optuna.Study) -> bool:
         """Whether every configuration of a small space has a finished trial."""
@@ -448,9 +489,14 @@ def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[
     if tuner.space_exhausted(study):
         tuner.say(f"All {tuner.space_size} configurations of the space were measured in earlier runs.")
     else:
-        study.optimize(
-            tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,), n_jobs=max(1, len(settings.slots))
-        )
+        tuner.start_progress()
+        try:
+            study.optimize(
+                tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,), n_jobs=max(1, len(settings.slots))
+            )
+        finally:
+            tuner.close_progress()
+    tuner.refresh_note(study)
     return study, tuner, time.perf_counter() - start
 
 

@@ -25,3 +25,32 @@ def cli(tmp_path):
         return run_cli(*args, cwd=tmp_path, timeout=timeout)
 
     return call
+
+
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+]
+
+
+@pytest.fixture
+def chromium(tmp_path):
+    """Run Debian's headless Chromium (installed by .ci/run); returns (stdout, stderr)."""
+    import shutil
+
+    binary = shutil.which("chromium")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing: .ci/run installs Debian's chromium package")
+        pytest.skip("no chromium here: apt-get install chromium")
+
+    def run(url: str, *flags: str, timeout: float = 90) -> subprocess.CompletedProcess:
+        profile = tmp_path / f"chromium-profile-{len(list(tmp_path.iterdir()))}"
+        return subprocess.run(
+            [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *flags, url],
+            capture_output=True, text=True, timeout=timeout,
+        )
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    return run

@@ -1,0 +1,170 @@
+"""``autotune report``: one self-contained HTML file of a study, plotly.js inline, works offline."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.study import CONSTRAINT_KEY, is_feasible, trial_config
+from autotune.units import format_bytes
+
+FEASIBLE = "#1f77b4"
+INFEASIBLE = "#b0b0b0"
+DIMENSIONS = (
+    "fsdp_version", "sharding_strategy", "auto_wrap_policy", "mixed_precision", "activation_checkpointing",
+    "forward_prefetch", "backward_prefetch", "limit_all_gathers", "cpu_offload", "micro_batch_size",
+)  # fmt: skip
+
+
+def _measured(study: optuna.Study) -> list[FrozenTrial]:
+    """Trials launched and measured (reused copies would count one run twice)."""
+    return [
+        t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if "reused_from" not in t.user_attrs and t.user_attrs.get("config")
+    ]
+
+
+def pareto_front(points: list[tuple[float, float, Any]]) -> list[tuple[float, float, Any]]:
+    """Points (memory, speed, tag) not beaten by another on both: less memory and more speed."""
+    front, best_speed = [], float("-inf")
+    for memory, speed, tag in sorted(points, key=lambda p: (p[0], -p[1])):
+        if speed > best_speed:
+            front.append((memory, speed, tag))
+            best_speed = speed
+    return front
+
+
+def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for feasible, color, name in ((True, FEASIBLE, "fits the budget"), (False, INFEASIBLE, "over budget / out of memory")):
+        group = [t for t in trials if is_feasible(t) == feasible and t.user_attrs.get("peak_memory_bytes")]
+        fig.add_trace(go.Scatter(
+            x=[t.user_attrs["peak_memory_bytes"] / 2**30 for t in group], y=[t.value for t in group],
+            mode="markers", name=name, marker={"color": color, "size": 9},
+            text=[f"#{t.number} {t.user_attrs.get('label')}" for t in group], hovertemplate="%{text}<br>%{y:,.0f} tok/s, %{x:.3g} GiB<extra></extra>",
+        ))
+    front = pareto_front([(t.user_attrs["peak_memory_bytes"] / 2**30, t.value, t.number)
+                          for t in trials if is_feasible(t) and t.user_attrs.get("peak_memory_bytes")])
+    if front:
+        fig.add_trace(go.Scatter(x=[p[0] for p in front], y=[p[1] for p in front], mode="lines+markers",
+                                 name="Pareto front (feasible)", line={"color": "#d62728", "shape": "hv"},
+                                 marker={"symbol": "star", "size": 13, "color": "#d62728"}))
+    if budget:
+        fig.add_vline(x=budget / 2**30, line_dash="dash", line_color="black",
+                      annotation_text=f"budget {format_bytes(budget)}", annotation_position="top left")
+    peaks = [t.user_attrs["peak_memory_bytes"] for t in trials if t.user_attrs.get("peak_memory_bytes")]
+    if budget and peaks and budget > 10 * max(peaks):
+        # Far under budget, a linear axis squeezes every point against zero.
+        fig.update_xaxes(type="log")
+    fig.update_layout(title="Tokens/s against peak memory per rank", xaxis_title="peak memory per rank (GiB)",
+                      yaxis_title="tokens/s", legend={"orientation": "h", "y": -0.2})
+    return fig
+
+
+def history_figure(study: optuna.Study):
+    import plotly.graph_objects as go
+
+    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    best, xs, ys = float("-inf"), [], []
+    for t in trials:
+        if is_feasible(t):
+            best = max(best, t.value)
+        if best > float("-inf"):
+            xs.append(t.number)
+            ys.append(best)
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[t.number for t in trials], y=[t.value for t in trials], mode="markers", name="trial",
+                             marker={"color": [FEASIBLE if is_feasible(t) else INFEASIBLE for t in trials]}))
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="best feasible so far", line={"shape": "hv", "color": "#d62728"}))
+    fig.update_layout(title="Optimization history", xaxis_title="trial", yaxis_title="tokens/s")
+    return fig
+
+
+def dimension_figure(trials: list[FrozenTrial]):
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    varying = []
+    for dim in DIMENSIONS:
+        values = {str(trial_config(t).to_dict()[dim]) for t in trials}
+        if len(values) > 1:
+            varying.append(dim)
+    if not varying:
+        return None
+    cols = 2
+    rows = (len(varying) + cols - 1) // cols
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=varying)
+    for i, dim in enumerate(varying):
+        xs = [str(trial_config(t).to_dict()[dim]) for t in trials]
+        fig.add_trace(go.Box(x=xs, y=[t.value for t in trials], boxpoints="all", name=dim, showlegend=False,
+                             marker={"color": FEASIBLE}), row=i // cols + 1, col=i % cols + 1)
+    fig.update_layout(title="Tokens/s per choice of each search dimension", height=280 * rows)
+    return fig
+
+
+def importance_figure(study: optuna.Study):
+    import plotly.graph_objects as go
+
+    try:
+        importances = optuna.importance.get_param_importances(study)
+    except (ValueError, RuntimeError) as exc:
+        return None, f"Parameter importances are not available yet: {exc}"
+    if not importances:
+        return None, "Parameter importances need parameters shared by all measured trials."
+    names = list(importances)[::-1]
+    fig = go.Figure(go.Bar(x=[importances[n] for n in names], y=names, orientation="h", marker={"color": FEASIBLE}))
+    fig.update_layout(title="Parameter importances (fANOVA, parameters drawn in every trial)", xaxis_title="importance",
+                      height=120 + 30 * len(names))
+    return fig, None
+
+
+def top_table(trials: list[FrozenTrial], limit: int = 10):
+    import plotly.graph_objects as go
+
+    best = sorted((t for t in trials if is_feasible(t)), key=lambda t: -t.value)[:limit]
+    fig = go.Figure(go.Table(
+        header={"values": ["#", "tokens/s", "peak", "configuration"], "align": "left"},
+        cells={"values": [[t.number for t in best], [f"{t.value:,.0f}" for t in best],
+                          [format_bytes(t.user_attrs["peak_memory_bytes"]) for t in best],
+                          [t.user_attrs.get("label") for t in best]], "align": "left"},
+        columnwidth=[1, 2, 2, 12],
+    ))
+    fig.update_layout(title=f"Top {len(best)} feasible configurations", height=120 + 30 * max(1, len(best)))
+    return fig
+
+
+def build_report(study: optuna.Study) -> str:
+    """The whole report as one HTML string."""
+    trials = _measured(study)
+    budget = study.user_attrs.get("identity", {}).get("budget_bytes")
+    figures = [speed_memory_figure(trials, budget), history_figure(study), dimension_figure(trials)]
+    importance, importance_note = importance_figure(study)
+    figures += [importance, top_table(trials)]
+    parts, first = [], True
+    for fig in figures:
+        if fig is None:
+            continue
+        # plotly.js goes in once, inline, so the file works with no network.
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=True if first else False))
+        first = False
+    counts = {s.name.lower(): sum(t.state == s for t in study.trials) for s in TrialState}
+    infeasible = sum(1 for t in trials if not is_feasible(t))
+    summary = (
+        f"{len(study.trials)} trials: {counts['complete']} complete ({infeasible} of them over budget), "
+        f"{counts['pruned']} pruned, {counts['fail']} failed. Budget {study.user_attrs.get('budget', '?')} per rank. "
+        f"Constraint: {CONSTRAINT_KEY} = peak memory - budget."
+    )
+    note = f"<p><em>{html.escape(importance_note)}</em></p>" if importance_note else ""
+    return (
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
+        f"<title>autotune report: {html.escape(study.study_name)}</title>"
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}</style></head><body>"
+        f"<h1>autotune: {html.escape(study.study_name)}</h1><p>{html.escape(summary)}</p>{note}"
+        + "\n".join(parts)
+        + "</body></html>\n"
+    )
