@@ -221,7 +221,7 @@ class Tuner:
         if self.bar is not None:
             best = self._best_value()
             with self._lock:
-                self.bar.n = min(self.counts.launched, self.settings.trials)
+                self.bar.n = min(len(self.counts.trial_wall_s), self.settings.trials)
                 self.bar.set_postfix_str(f"{state} | best {best:,.0f} tok/s" if best else state)
 
     def close_progress(self) -> None:
