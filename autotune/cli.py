@@ -113,7 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a device slot: GPU indices (CUDA_VISIBLE_DEVICES) or, on a CPU host, cores (affinity), "
                           "like 0,1 or 0-3; repeat for several slots, and trials run side by side, one per slot "
                           "(default: one slot holding every device)")
+    run.add_argument("--no-estimate", action="store_true",
+                     help="launch every configuration, without first predicting its peak memory (default: predict, "
+                          "and skip configurations predicted over budget)")
     run.add_argument("--quiet", action="store_true", help="print only the final summary")
+
+    estimate = commands.add_parser(
+        "estimate", help="predict peak memory per rank for the space, without GPUs",
+        description="Predict each configuration's peak memory per rank from a fake training step (no GPU, no "
+                    "memory used), with the device margin, and say whether it fits; then the largest micro batch "
+                    "that fits for each sharding x checkpointing x precision among the configurations estimated.")
+    estimate.add_argument("--mem-budget", required=True, metavar="SIZE", help="per-rank memory budget, e.g. 80GB or 70GiB (required)")
+    estimate.add_argument("--model", default="llama-tiny", help="preset, config.json path or module:function (default: llama-tiny)")
+    estimate.add_argument("--nproc", type=_positive_int, default=2, help="world size: ranks in all (default: 2)")
+    estimate.add_argument("--nnodes", type=_positive_int, default=1, help="nodes the ranks are spread over; hybrid sharding needs 2+ (default: 1)")
+    estimate.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sample (default: 256 for llama-tiny, else 2048)")
+    estimate.add_argument("--space", default="default", help="search space YAML file or built-in name (default: default)")
+    estimate.add_argument("--limit", type=_positive_int, default=None,
+                          help="estimate a random sample of this many configurations (default: all when the space holds 64 or fewer, else 64)")
+    estimate.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                          help="the margin to add: cuda (context, NCCL, fragmentation) or cpu (none) (default: cuda)")
+    estimate.add_argument("--wrap-class", action="append", default=[], metavar="CLASS", help="the model's repeated block class")
+    estimate.add_argument("--seed", type=int, default=0, help="seed of the --limit sample (default: 0)")
+    estimate.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: table)")
 
     trials = commands.add_parser("trials", help="show the trials of a study",
                                  description="List a study's trials: outcome, tokens/s, peak memory, configuration, and why any trial failed or was pruned.")
@@ -202,6 +224,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         device_type=host.device_type,
         slots=slots,
+        use_estimate=not args.no_estimate,
     )
     check_resumable(settings)
     if not args.quiet:
@@ -213,6 +236,74 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     study, tuner, elapsed = run_study(settings, host, model)
     return summarize(study, tuner, settings, elapsed)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import random
+
+    from autotune.estimate import EstimatorClient, default_margin
+    from autotune.host import probe
+    from autotune.presets import default_seq_len, parse_model_spec
+    from autotune.space import load_space
+    from autotune.tables import format_table
+    from autotune.units import format_bytes, parse_memory
+
+    budget = parse_memory(args.mem_budget)
+    spec = parse_model_spec(args.model)
+    space = load_space(args.space)
+    if args.nproc % args.nnodes:
+        raise UsageError(f"--nproc {args.nproc} is not a multiple of --nnodes {args.nnodes}; give ranks that the nodes share evenly")
+    _, model = probe(args.model, tuple(args.wrap_class))
+    seq_len = args.seq_len or default_seq_len(spec)
+    configs = [c for c in space.enumerate(model.layer_classes) if not (c.is_hybrid and args.nnodes < 2)]
+    limit = args.limit or (len(configs) if len(configs) <= 64 else 64)
+    if limit < len(configs):
+        configs = random.Random(args.seed).sample(configs, limit)
+    margin = default_margin(args.device)
+    client = EstimatorClient(spec.value if spec.kind == "config_file" else args.model, args.nproc, args.nnodes, seq_len)
+    rows = []
+    try:
+        for i, cfg in enumerate(configs):
+            if args.format == "table":
+                print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True)
+            result = client.estimate(cfg)
+            if "error" in result:
+                rows.append({"config": cfg.to_dict(), "label": cfg.describe(), "error": result["error"]})
+                continue
+            device_peak = margin.apply(result["peak_bytes"])
+            rows.append({"config": cfg.to_dict(), "label": cfg.describe(), "tensor_peak_bytes": result["peak_bytes"],
+                         "predicted_peak_bytes": device_peak, "fits": device_peak <= budget,
+                         "breakdown": result["breakdown"], "method": result["method"], "seconds": result["seconds"]})
+    finally:
+        client.close()
+    rows.sort(key=lambda r: r.get("predicted_peak_bytes", float("inf")))
+    largest: dict[tuple, int] = {}
+    for r in rows:
+        c = r["config"]
+        group = (c["sharding_strategy"], c["activation_checkpointing"], c["mixed_precision"])
+        largest.setdefault(group, 0)
+        if r.get("fits"):
+            largest[group] = max(largest[group], c["micro_batch_size"])
+    if args.format == "json":
+        print(json.dumps({"model": args.model, "world_size": args.nproc, "nnodes": args.nnodes, "seq_len": seq_len,
+                          "budget_bytes": budget, "margin": vars(margin), "configurations": rows,
+                          "largest_micro_batch": [{"sharding_strategy": g[0], "activation_checkpointing": g[1],
+                                                   "mixed_precision": g[2], "micro_batch_size": m} for g, m in sorted(largest.items())]},
+                         indent=2))
+        return 0
+    print(f"{model.class_name} ({model.num_params / 1e9:.2f}B params), world size {args.nproc} on {args.nnodes} node(s), "
+          f"seq len {seq_len}, budget {args.mem_budget} = {format_bytes(budget)} per rank; margin: {margin.source}.")
+    print(format_table(
+        ["predicted", "fits", "params", "grads", "optim", "activ", "temp", "configuration"],
+        [[format_bytes(r["predicted_peak_bytes"]), "yes" if r["fits"] else "NO",
+          *(format_bytes(r["breakdown"].get(k, 0)) for k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries")),
+          r["label"]] if "error" not in r else ["-", "?", "", "", "", "", "", f"{r['label']} (estimate failed: {r['error']})"] for r in rows],
+        right=(0, 2, 3, 4, 5, 6),
+    ))
+    print("\nLargest micro batch that fits, among the configurations estimated:")
+    print(format_table(["sharding", "checkpointing", "precision", "micro batch"],
+                       [[g[0], g[1], g[2], m or "none fits"] for g, m in sorted(largest.items())], right=(3,)))
+    return 0
 
 
 def _open_study(args: argparse.Namespace):
@@ -316,7 +407,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "run": cmd_run, "trials": cmd_trials, "export": cmd_export, "report": cmd_report,
+    "run": cmd_run, "estimate": cmd_estimate, "trials": cmd_trials, "export": cmd_export, "report": cmd_report,
     "dashboard": cmd_dashboard, "measure": cmd_measure,
 }
 

@@ -62,6 +62,8 @@ class RunSettings:
     warmup_steps: int = 2
     timed_steps: int = 6
     nnodes: int = 1
+    # Predict each configuration's peak before launch and skip those over budget.
+    use_estimate: bool = True
     quiet: bool = False
     device_type: str = "cpu"
     # Device sets a trial may run on (GPU indices, or CPU cores); one trial per
@@ -173,6 +175,8 @@ class RunCounts:
     reused: int = 0
     failed: int = 0
     aborted: int = 0
+    # Launches saved: configurations predicted over budget, never started.
+    predicted_over: int = 0
     idle_draws: int = 0
     trial_wall_s: list[float] = field(default_factory=list)
 
@@ -189,6 +193,9 @@ class Tuner:
         # Optuna runs one objective per slot in threads; counts are shared.
         self._lock = threading.RLock()
         self.bar = None
+        self.estimator = None
+        self.mbs_cap = None
+        self._predictions: dict[str, dict[str, Any]] = {}
         configs = settings.space.enumerate(model.layer_classes)
         self.space_size = len(configs)
         # Exhaustion is only worth checking for spaces a study can finish.
@@ -254,6 +261,10 @@ class Tuner:
         trial.set_user_attr("runner", runner_identity())
 
         reason = host_incompatibility(cfg, self.host, self.settings.nnodes)
+        if reason is None:
+            reason = self._predicted_over_budget(trial, cfg)
+            if reason is not None:
+                self._count("predicted_over")
         if reason is not None:
             self._count("pruned", idle=True)
             trial.set_user_attr("prune_reason", reason)
@@ -276,6 +287,94 @@ class Tuner:
 
         self._count("launched", idle=False)
         return self._launch(trial, cfg)
+
+    # -- the memory estimate ------------------------------------------------
+    def start_estimator(self) -> None:
+        """Plan pruning: no estimates at all when even the hungriest configuration
+        of the space is predicted to fit; else cap the micro batch at the largest
+        predicted fit."""
+        self.estimator = None
+        self.mbs_cap: int | None = None
+        if not self.settings.use_estimate:
+            return
+        from autotune.estimate import EstimatorClient
+
+        self.estimator = EstimatorClient(self.settings.model, self.settings.nproc, self.settings.nnodes, self.settings.seq_len)
+        hungriest = hungriest_config(self.settings.space, self.model.layer_classes)
+        prediction = self._prediction(hungriest)
+        if prediction is not None and self._margin().apply(prediction["peak_bytes"]) * SAFETY <= self.settings.budget_bytes:
+            self.say(f"Memory estimate: even {hungriest.describe()} is predicted at "
+                     f"{format_bytes(prediction['peak_bytes'])}, well within the budget; no configuration needs an estimate.")
+            self.estimator.close()
+            self.estimator = None
+            return
+        frugal = frugal_config(self.settings.space, self.model.layer_classes)
+        for mbs in sorted(self.settings.space.choices.get("micro_batch_size", (1,)), reverse=True):
+            prediction = self._prediction(frugal.replace(micro_batch_size=mbs))
+            if prediction is not None and self._margin().apply(prediction["peak_bytes"]) <= self.settings.budget_bytes:
+                self.mbs_cap = mbs
+                break
+        else:
+            self.mbs_cap = 0
+        self.say(f"Memory estimate: the largest micro batch predicted to fit is {self.mbs_cap or 'none'} "
+                 f"(with {frugal.describe()}).")
+
+    def close_estimator(self) -> None:
+        if getattr(self, "estimator", None) is not None:
+            self.estimator.close()
+
+    def _margin(self):
+        from autotune.estimate import calibrated_margin
+
+        pairs = [(t.user_attrs["peak_memory_bytes"], t.user_attrs["predicted_peak_bytes"])
+                 for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                 if t.user_attrs.get("predicted_peak_bytes") and t.user_attrs.get("status") == "ok"
+                 and "reused_from" not in t.user_attrs]
+        return calibrated_margin(pairs, self.host.device_type)
+
+    def _prediction(self, cfg: FsdpConfig) -> dict[str, Any] | None:
+        """The fake-step estimate of ``cfg``, from the study's cache when any trial has it."""
+        from autotune.estimate import memory_key
+
+        key = memory_key(cfg)
+        for t in self.study.get_trials(deepcopy=False):
+            if t.user_attrs.get("predicted_peak_bytes") and trial_config(t) and memory_key(trial_config(t)) == key:
+                return {"peak_bytes": t.user_attrs["predicted_peak_bytes"], "method": t.user_attrs.get("prediction_method"),
+                        "breakdown": t.user_attrs.get("predicted_breakdown", {}), "cached_from": t.number}
+        cached = self._predictions.get(key)
+        if cached is not None:
+            return cached
+        result = self.estimator.estimate(cfg)
+        if "error" in result:
+            self.say(f"(memory estimate failed for {cfg.describe()}: {result['error']}; it will be launched)")
+            return None
+        self._predictions[key] = result
+        return result
+
+    def _predicted_over_budget(self, trial: optuna.Trial, cfg: FsdpConfig) -> str | None:
+        if getattr(self, "estimator", None) is None:
+            return None
+        if self.mbs_cap is not None and cfg.micro_batch_size > self.mbs_cap:
+            reason = (f"micro_batch_size {cfg.micro_batch_size} is above {self.mbs_cap or 'every choice'}, the largest "
+                      "predicted to fit even with the most frugal choices of the space")
+            _set_constraint(trial, 1.0)
+            return reason
+        prediction = self._prediction(cfg)
+        if prediction is None:
+            return None
+        margin = self._margin()
+        device_peak = margin.apply(prediction["peak_bytes"])
+        trial.set_user_attr("predicted_peak_bytes", prediction["peak_bytes"])
+        trial.set_user_attr("predicted_device_peak_bytes", device_peak)
+        trial.set_user_attr("predicted_breakdown", prediction.get("breakdown", {}))
+        trial.set_user_attr("prediction_method", prediction.get("method"))
+        trial.set_user_attr("prediction_margin", margin.source)
+        if device_peak <= self.settings.budget_bytes:
+            return None
+        # Infeasible for the sampler too, by the predicted amount.
+        _set_constraint(trial, float(device_peak - self.settings.budget_bytes))
+        return (f"predicted peak {format_bytes(device_peak)} ({prediction.get('method')}, margin: {margin.source}) "
+                f"is over the budget {format_bytes(self.settings.budget_bytes)}")
 
     def _wait_for(self, other: FrozenTrial) -> None:
         deadline = time.monotonic() + self.settings.trial_timeout_s + 60
@@ -435,6 +534,56 @@ class Tuner:
         return self.space_keys <= seen
 
 
+# The hungriest configuration must fit with this much room before per-trial
+# estimates are skipped.
+SAFETY = 1.25
+
+
+def hungriest_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> FsdpConfig:
+    """The space's choices that cost most memory: no sharding, one unit, fp32,
+    no checkpointing or offload, prefetch on, the largest micro batch."""
+    c = space.choices
+
+    def pick(name: str, order: tuple) -> Any:
+        options = c.get(name, (getattr(FsdpConfig, name),))
+        return next((o for o in order if o in options), options[0])
+
+    version = pick("fsdp_version", (2, 1))
+    return FsdpConfig(
+        fsdp_version=version,
+        sharding_strategy=pick("sharding_strategy", ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD", "FULL_SHARD")),
+        auto_wrap_policy=pick("auto_wrap_policy", ("none", "size_based", "transformer_layer")),
+        min_num_params=max(c.get("min_num_params", (FsdpConfig.min_num_params,))),
+        mixed_precision=pick("mixed_precision", ("fp32", "bf16_fp32_reduce", "fp16", "bf16")),
+        activation_checkpointing=pick("activation_checkpointing", ("none", "every_other_layer", "full")),
+        forward_prefetch=pick("forward_prefetch", (True, False)),
+        backward_prefetch=pick("backward_prefetch", ("BACKWARD_PRE", "BACKWARD_POST", "none")) if version == 1 else "BACKWARD_PRE",
+        micro_batch_size=max(c.get("micro_batch_size", (1,))),
+        transformer_layer_cls=layer_classes,
+    )
+
+
+def frugal_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> FsdpConfig:
+    """The space's choices that cost least memory (but CPU offload, which the
+    host may not run): full sharding, per-layer units, bf16, full checkpointing."""
+    c = space.choices
+
+    def pick(name: str, order: tuple) -> Any:
+        options = c.get(name, (getattr(FsdpConfig, name),))
+        return next((o for o in order if o in options), options[0])
+
+    version = pick("fsdp_version", (2, 1))
+    return FsdpConfig(
+        fsdp_version=version,
+        sharding_strategy=pick("sharding_strategy", ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD")),
+        auto_wrap_policy=pick("auto_wrap_policy", ("transformer_layer", "size_based", "none")),
+        min_num_params=min(c.get("min_num_params", (FsdpConfig.min_num_params,))),
+        mixed_precision=pick("mixed_precision", ("bf16", "fp16", "bf16_fp32_reduce", "fp32")),
+        activation_checkpointing=pick("activation_checkpointing", ("full", "every_other_layer", "none")),
+        transformer_layer_cls=layer_classes,
+    )
+
+
 def runner_identity() -> dict[str, Any]:
     """Which process runs a trial: host, pid and the pid's start time."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_ticks(os.getpid())}
@@ -479,6 +628,7 @@ def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[
     study = load_or_create_study(settings, storage)
     study.set_user_attr("host", host.as_dict())
     tuner = Tuner(study, settings, host, model)
+    tuner.start_estimator()
     # Several tuners may start on one study at once: one of them enqueues the baseline.
     with exclusive(tuner.folder / "claims.lock"):
         if not study.get_trials(deepcopy=False):
@@ -496,6 +646,7 @@ def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[
             )
         finally:
             tuner.close_progress()
+            tuner.close_estimator()
     tuner.refresh_note(study)
     return study, tuner, time.perf_counter() - start
 

@@ -27,6 +27,8 @@ def summarize(study: optuna.Study, tuner: Tuner, settings: RunSettings, elapsed_
         f"{counts.pruned} pruned before launch, {counts.reused} reused earlier measurements, "
         f"{counts.aborted} stopped early, {counts.failed} failed; {len(trials)} trials in the study."
     )
+    if settings.use_estimate:
+        print(f"The memory estimate saved {counts.predicted_over} launches of configurations predicted over budget.")
     best = best_feasible(study)
     budget = settings.budget_bytes
     if best is None:

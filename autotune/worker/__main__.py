@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", message="DTensor random operators may not have
 
 
 def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> None:
-    from autotune.worker.fsdp import parallelize
+    from autotune.worker.fsdp import build_mesh, parallelize
     from autotune.worker.models import build_model
     from autotune.worker.train import measure
 
@@ -47,7 +47,8 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
     phases["build_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    model = parallelize(built, request.fsdp, rank.device, rank.world_size, request.nnodes)
+    mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes)
+    model = parallelize(built, request.fsdp, rank.device, mesh)
     phases["wrap_s"] = time.perf_counter() - start
 
     measurement = measure(model, request, built.vocab_size, rank)

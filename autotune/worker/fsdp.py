@@ -26,12 +26,9 @@ PRECISION_DTYPES: dict[str, tuple[torch.dtype, torch.dtype] | None] = {
 }
 
 
-def parallelize(
-    built: BuiltModel, cfg: FsdpConfig, device: torch.device, world_size: int, nnodes: int
-) -> nn.Module:
-    """Return the FSDP-wrapped, initialized model for ``cfg``."""
+def parallelize(built: BuiltModel, cfg: FsdpConfig, device: torch.device, mesh: DeviceMesh) -> nn.Module:
+    """Return the FSDP-wrapped, initialized model for ``cfg`` over ``mesh`` (see :func:`build_mesh`)."""
     blocks = apply_activation_checkpointing(built.module, built.layers, cfg.activation_checkpointing)
-    mesh = build_mesh(device.type, cfg.sharding_strategy, world_size, nnodes)
     if cfg.fsdp_version == 1:
         return apply_fsdp1(built.module, blocks, cfg, device, mesh)
     apply_fsdp2(built.module, blocks, cfg, mesh)

@@ -3,7 +3,8 @@
 On CUDA the caching allocator's own peaks are the truth. A CPU host has no
 device memory, and process RSS mixes in the interpreter, libraries and freed
 pages, so on CPU the peak is the largest total size of live tensor storages,
-observed after every operator of one dedicated step.
+observed after every operator of one dedicated step. The same tracker counts
+fake tensors, which is how the estimator measures a step that never runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import statistics
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -38,6 +40,14 @@ def step_time_stats(times: list[float]) -> dict[str, float]:
     }
 
 
+def _has_own_storage(obj: Any) -> bool:
+    """Plain tensors and parameters, real or fake; not wrapper subclasses such as
+    DTensor, whose bytes live in the local tensor they wrap (counted on its own)."""
+    if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return True
+    return isinstance(obj, FakeTensor)
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Track the peak total bytes of live tensor storages while active.
 
@@ -56,13 +66,13 @@ class LiveStorageTracker(TorchDispatchMode):
         # count too, though no operator of the step created them.
         gc.collect()
         for obj in gc.get_objects():
-            if type(obj) in (torch.Tensor, torch.nn.Parameter):
+            if _has_own_storage(obj):
                 self._add(obj)
         self._update_peak()
         return super().__enter__()
 
     def _add(self, tensor: Any) -> None:
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type == "meta":
+        if not _has_own_storage(tensor) or tensor.device.type == "meta":
             return
         try:
             storage = tensor.untyped_storage()

@@ -51,14 +51,16 @@ def _causal_lm_class(config):
     return AutoModelForCausalLM._model_mapping[type(config)]
 
 
-def build_model(model: str, layer_cls_names: tuple[str, ...] = ()) -> BuiltModel:
-    """Build ``model`` (preset, config.json path or ``module:function``) on the meta device.
+def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str = "meta") -> BuiltModel:
+    """Build ``model`` (preset, config.json path or ``module:function``) on ``device``.
 
     ``layer_cls_names`` names the repeated block; empty means the model's
     ``_no_split_modules``. A ValueError names a class the model does not have.
+    The estimator builds on "cpu" inside FakeTensorMode: fake tensors that
+    FSDP1 can flatten, which meta tensors it cannot swap.
     """
     spec = parse_model_spec(model)
-    with torch.device("meta"):
+    with torch.device(device):
         if spec.kind == "factory":
             module_name, _, function_name = spec.value.partition(":")
             module = getattr(importlib.import_module(module_name), function_name)()

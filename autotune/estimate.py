@@ -1,0 +1,105 @@
+"""Predicted peak memory per rank, for pruning before launch and for ``autotune estimate``.
+
+The prediction comes from the worker side (``python -m autotune.worker.estimate``,
+a fake training step; see there), run as one long-lived subprocess so the driver
+never imports torch and pays the imports once. This module adds the device
+margin and calibrates it against what the study has measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from autotune.config import FsdpConfig
+from autotune.lifeline import die_with_parent
+
+# CUDA needs memory that no tensor accounts for: the context (about 0.5 GiB),
+# NCCL's buffers, and the caching allocator's rounding and fragmentation.
+CUDA_MARGIN_BYTES = int(1.5 * 2**30)
+CUDA_MARGIN_FACTOR = 1.10
+# Calibrate from the study only once it has this many measured trials.
+MIN_CALIBRATION_TRIALS = 3
+
+
+@dataclass(frozen=True)
+class Margin:
+    """Predicted device peak = tensor peak * factor + fixed bytes."""
+
+    factor: float
+    fixed_bytes: int
+    source: str
+
+    def apply(self, tensor_peak: int) -> int:
+        return int(tensor_peak * self.factor + self.fixed_bytes)
+
+
+def default_margin(device_type: str) -> Margin:
+    if device_type == "cuda":
+        return Margin(CUDA_MARGIN_FACTOR, CUDA_MARGIN_BYTES, "default CUDA margin")
+    # On CPU the trial measures the same quantity the estimator predicts.
+    return Margin(1.0, 0, "none (CPU trials measure tensor bytes too)")
+
+
+def calibrated_margin(pairs: Iterable[tuple[int, int]], device_type: str) -> Margin:
+    """The margin from (measured, predicted) pairs of this study: the largest
+    measured/predicted ratio seen, so a configuration that fitted is not pruned
+    by a model that under-predicts; the default until enough trials exist."""
+    ratios = [m / p for m, p in pairs if m and p]
+    if len(ratios) < MIN_CALIBRATION_TRIALS:
+        return default_margin(device_type)
+    factor = max(1.0, max(ratios))
+    return Margin(round(factor, 4), 0, f"calibrated on {len(ratios)} trials (median ratio {statistics.median(ratios):.3f})")
+
+
+def memory_key(cfg: FsdpConfig) -> str:
+    """What decides the peak: the configuration less its all-gather rate limit,
+    which changes when host-side work waits, not what is allocated."""
+    data = cfg.to_dict()
+    data.pop("limit_all_gathers")
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
+class EstimatorClient:
+    """A long-lived ``python -m autotune.worker.estimate --serve``; thread-safe."""
+
+    def __init__(self, model: str, world_size: int, nnodes: int, seq_len: int) -> None:
+        self.request = {"model": model, "world_size": world_size, "nnodes": nnodes, "seq_len": seq_len}
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def _ensure(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "autotune.worker.estimate", "--serve"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                preexec_fn=die_with_parent,
+            )
+        return self._proc
+
+    def estimate(self, cfg: FsdpConfig) -> dict[str, Any]:
+        """``{"peak_bytes", "breakdown", "method", "seconds"}`` or ``{"error"}``."""
+        with self._lock:
+            proc = self._ensure()
+            try:
+                proc.stdin.write(json.dumps({**self.request, "fsdp": cfg.to_dict()}) + "\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+            except (BrokenPipeError, OSError) as exc:
+                return {"error": f"the estimator process failed: {exc}"}
+        if not line:
+            return {"error": "the estimator process exited"}
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()

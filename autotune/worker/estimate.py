@@ -1,0 +1,210 @@
+"""Predict a configuration's peak memory per rank without the hardware.
+
+One real training step runs under ``FakeTensorMode`` with PyTorch's ``fake``
+process group: the model is built, checkpointed and wrapped with FSDP1 or FSDP2
+exactly as a trial does it, at the real world size, but every tensor is fake, so
+nothing is allocated and no collective moves data. The live-storage tracker the
+CPU trials use counts the fake tensors, so the prediction and the CPU
+measurement are the same quantity. Saved-tensor hooks tell activations apart.
+
+``python -m autotune.worker.estimate --serve`` answers one JSON request per
+line on stdin with one JSON line on stdout, so the driver pays the imports once.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autotune.config import FsdpConfig
+from autotune.worker.fsdp import build_mesh, parallelize
+from autotune.worker.measure import LiveStorageTracker
+from autotune.worker.models import build_model
+from autotune.worker.train import make_grad_scaler, train_step
+
+METHOD = "fake_tensor_step"
+
+
+class BreakdownTracker(LiveStorageTracker):
+    """The live-storage peak, split by what each storage holds at that moment."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__()
+        self.model = model
+        self.optimizer = optimizer
+        self.saved: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.breakdown: dict[str, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        try:
+            self.saved[tensor.untyped_storage()] = None
+        except (RuntimeError, NotImplementedError):
+            pass
+        return tensor
+
+    def _update_peak(self) -> None:
+        before = self.peak_bytes
+        super()._update_peak()
+        if self.peak_bytes > before:
+            self.breakdown = self._split()
+
+    def _split(self) -> dict[str, int]:
+        def storages(tensors) -> dict[int, Any]:
+            found = {}
+            for t in tensors:
+                local = getattr(t, "_local_tensor", t)
+                try:
+                    s = local.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                found[id(s)] = s
+            return found
+
+        params = storages(self.model.parameters())
+        grads = storages(p.grad for p in self.model.parameters() if p.grad is not None)
+        state = storages(v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        saved = {id(s): s for s in list(self.saved.keys())}
+        seen: set[int] = set()
+        split = {}
+        for name, group in (("parameters", params), ("gradients", grads), ("optimizer_state", state), ("activations", saved)):
+            split[name] = sum(s.nbytes() for k, s in group.items() if k not in seen)
+            seen.update(group)
+        split["temporaries"] = max(0, self.peak_bytes - sum(split.values()))
+        return split
+
+
+def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig) -> dict[str, Any]:
+    """Peak bytes per rank of one steady-state training step, and its breakdown."""
+    if world_size % nnodes:
+        raise ValueError(f"world size {world_size} is not a multiple of nnodes {nnodes}")
+    start = time.perf_counter()
+    if not dist.is_initialized() or dist.get_world_size() != world_size:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    # The mesh is real metadata; only tensors are fake.
+    mesh = build_mesh("cpu", cfg.sharding_strategy, world_size, nnodes)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        built = build_model(model, cfg.transformer_layer_cls, device="cpu")
+        num_params = sum(p.numel() for p in built.module.parameters())
+        wrapped = parallelize(built, cfg, torch.device("cpu"), mesh)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+        scaler = make_grad_scaler(cfg.mixed_precision, torch.device("cpu"))
+        tokens = torch.randint(0, built.vocab_size, (cfg.micro_batch_size, seq_len))
+        # The first step creates the optimizer state; the second is the steady state.
+        train_step(wrapped, optimizer, tokens, scaler)
+        tracker = BreakdownTracker(wrapped, optimizer)
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t), tracker:
+            train_step(wrapped, optimizer, tokens, scaler)
+    result = {"peak_bytes": tracker.peak_bytes, "breakdown": tracker.breakdown, "method": METHOD,
+              "seconds": round(time.perf_counter() - start, 3),
+              "num_params": num_params}
+    del tracker, optimizer, wrapped, built, tokens
+    gc.collect()
+    return result
+
+
+def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig) -> dict[str, Any]:
+    """``estimate``, with derived figures where a fake step cannot run the configuration.
+
+    - CPU offload cannot be set up on a host without an accelerator: the step
+      runs without it, and the sharded parameters, gradients and optimizer
+      state, which offload keeps in host memory, are taken off the peak.
+    - FSDP1 SHARD_GRAD_OP (and HYBRID_SHARD_ZERO2) fails under fake tensors
+      in PyTorch's flat-parameter bookkeeping: the step runs as FULL_SHARD,
+      and the unsharded parameters that SHARD_GRAD_OP keeps from forward to
+      backward are added (all of them but this rank's shard, in the compute dtype).
+    """
+    notes = []
+    run_cfg = cfg
+    if cfg.cpu_offload:
+        run_cfg = run_cfg.replace(cpu_offload=False)
+        notes.append("offload")
+    zero2 = cfg.fsdp_version == 1 and cfg.sharding_strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
+    if zero2:
+        run_cfg = run_cfg.replace(sharding_strategy="FULL_SHARD" if cfg.sharding_strategy == "SHARD_GRAD_OP" else "HYBRID_SHARD")
+    result = estimate(model, world_size, nnodes, seq_len, run_cfg)
+    if zero2:
+        num_params = result.pop("num_params")
+        itemsize = 4 if cfg.mixed_precision == "fp32" else 2
+        shard_groups = world_size // nnodes if cfg.is_hybrid else world_size
+        kept = int(num_params * itemsize * (1 - 1 / shard_groups))
+        result["peak_bytes"] += kept
+        result["breakdown"]["temporaries"] += kept
+        notes.append("fsdp1_shard_grad_op")
+    if cfg.cpu_offload:
+        breakdown = result["breakdown"]
+        moved = breakdown["parameters"] + breakdown["gradients"] + breakdown["optimizer_state"]
+        result["peak_bytes"] -= moved
+        breakdown.update(parameters=0, gradients=0, optimizer_state=0)
+    result.pop("num_params", None)
+    result["method"] = METHOD if not notes else f"{METHOD}+derived({','.join(notes)})"
+    return result
+
+
+def answer(request: dict[str, Any]) -> dict[str, Any]:
+    try:
+        cfg = FsdpConfig.from_dict(request["fsdp"])
+        return estimate_config(request["model"], int(request["world_size"]), int(request.get("nnodes", 1)),
+                               int(request["seq_len"]), cfg)
+    except Exception as exc:  # noqa: BLE001 - one bad configuration must not end the server
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def answer_in_child(request: dict[str, Any]) -> dict[str, Any]:
+    """Estimate in a forked child: imports are paid once by the server, and no
+    tensor, hook or process group of one estimate can leak into the next."""
+    import os
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        try:
+            data = json.dumps(answer(request)).encode()
+        except BaseException as exc:  # noqa: BLE001
+            data = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(data)
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        return {"error": f"the estimating process died (wait status {status})"}
+    return json.loads(data)
+
+
+def main(argv: list[str]) -> int:
+    warnings.filterwarnings("ignore")
+    if argv == ["--serve"]:
+        # Import once here, so each forked estimate starts with them loaded.
+        import transformers  # noqa: F401
+        from transformers.models.llama import modeling_llama  # noqa: F401
+
+        for line in sys.stdin:
+            if line.strip():
+                print(json.dumps(answer_in_child(json.loads(line))), flush=True)
+        return 0
+    if len(argv) == 1:
+        print(json.dumps(answer(json.loads(open(argv[0]).read()))))
+        return 0
+    print("usage: python -m autotune.worker.estimate (--serve | REQUEST_JSON)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,132 @@
+"""The memory estimator: a fake training step, no hardware; pruning before launch."""
+
+import json
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.config import FsdpConfig
+from autotune.estimate import EstimatorClient, Margin, calibrated_margin
+from tests.conftest import run_cli
+
+LAYER = ("LlamaDecoderLayer",)
+FAST = ["--seq-len", "64", "--warmup-steps", "1", "--timed-steps", "2", "--space", "smoke"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    clients = {}
+
+    def peak(world_size: int = 2, **fields) -> int:
+        if world_size not in clients:
+            clients[world_size] = EstimatorClient("llama-tiny", world_size, 1, 128)
+        fields.setdefault("micro_batch_size", 2)
+        result = clients[world_size].estimate(FsdpConfig(transformer_layer_cls=LAYER, **fields))
+        assert "error" not in result, result
+        assert sum(result["breakdown"].values()) == result["peak_bytes"]
+        return result["peak_bytes"]
+
+    yield peak
+    for client in clients.values():
+        client.close()
+
+
+@pytest.mark.parametrize("version", (1, 2))
+def test_more_sharding_needs_less_memory(tiny, version):
+    full, zero2, none = (tiny(fsdp_version=version, sharding_strategy=s) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"))
+    assert full <= zero2 <= none
+
+
+@pytest.mark.parametrize("version", (1, 2))
+def test_checkpointing_lowers_the_peak(tiny, version):
+    off = tiny(fsdp_version=version, activation_checkpointing="none")
+    half = tiny(fsdp_version=version, activation_checkpointing="every_other_layer")
+    full = tiny(fsdp_version=version, activation_checkpointing="full")
+    assert full < half < off
+
+
+def test_full_shard_peak_falls_as_world_size_grows(tiny):
+    peaks = [tiny(world_size=w, sharding_strategy="FULL_SHARD") for w in (2, 4, 8)]
+    assert peaks[0] > peaks[1] > peaks[2]
+
+
+def test_peak_rises_with_micro_batch(tiny):
+    peaks = [tiny(micro_batch_size=m) for m in (1, 2, 4)]
+    assert peaks[0] < peaks[1] < peaks[2]
+
+
+def test_offload_takes_sharded_state_off_the_device(tiny):
+    assert tiny(cpu_offload=True) < tiny(cpu_offload=False)
+
+
+def test_llama_7b_at_world_size_8_lands_in_the_first_principles_band():
+    """6.74e9 parameters; FSDP2 FULL_SHARD over 8 ranks with bf16 compute keeps, per
+    rank, fp32 parameter + gradient shards and two fp32 Adam moments: 16 B / 8 =
+    2 B per parameter = 12.6 GiB. Activations of 32 layers at seq 2048 (SDPA, no
+    s^2 attention matrix) are about 34 * s * h bytes each in bf16 = 0.27 GiB, so
+    8.5 GiB, plus a layer's unsharded bf16 parameters (0.4 GiB) and the logits
+    (2048 x 32000, bf16 and fp32, 0.4 GiB): about 22 GiB. The band allows the
+    autograd temporaries that formula leaves out: 18 to 30 GiB."""
+    client = EstimatorClient("llama-7b", 8, 1, 2048)
+    try:
+        result = client.estimate(FsdpConfig(mixed_precision="bf16", transformer_layer_cls=LAYER))
+    finally:
+        client.close()
+    assert "error" not in result, result
+    gib = result["peak_bytes"] / 2**30
+    assert 18 <= gib <= 30, gib
+    state = sum(result["breakdown"][k] for k in ("parameters", "optimizer_state")) / 2**30
+    assert 9 <= state <= 13.5, result["breakdown"]  # fp32 shard + Adam moments: 12 B / 8 per parameter = 9.4 GiB
+    assert result["seconds"] < 120
+
+
+def test_calibration_uses_the_worst_measured_ratio():
+    assert calibrated_margin([(100, 100)], "cuda").source == "default CUDA margin"
+    margin = calibrated_margin([(105, 100), (99, 100), (110, 100)], "cuda")
+    assert margin == Margin(1.1, 0, margin.source) and "3 trials" in margin.source
+    assert calibrated_margin([(90, 100)] * 3, "cpu").factor == 1.0
+
+
+@pytest.mark.torchrun
+def test_tight_budget_prunes_before_launching(tmp_path):
+    done = run_cli("run", "--mem-budget", "1MB", "--trials", "3", *FAST, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "No configuration fits" in done.stdout or "no trial finished" in done.stdout
+    trials_dir = tmp_path / "studies" / "llama-tiny-w2-s64-1MB" / "trials"
+    assert not trials_dir.exists() or not any(trials_dir.iterdir()), "a configuration predicted over budget was launched"
+    study = optuna.load_study(study_name="llama-tiny-w2-s64-1MB", storage=f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}")
+    assert study.trials and all(t.state == TrialState.PRUNED for t in study.trials)
+    assert all(t.constraints.get("peak_memory_over_budget", 0) > 0 for t in study.trials)
+    assert "largest micro batch predicted to fit is none" in done.stderr
+
+
+@pytest.mark.torchrun
+def test_budget_between_configurations_launches_only_those_predicted_to_fit(tmp_path):
+    est = json.loads(run_cli("estimate", "--mem-budget", "1GB", "--space", "smoke", "--seq-len", "64",
+                             "--device", "cpu", "-f", "json", cwd=tmp_path).stdout)
+    peaks = sorted(r["predicted_peak_bytes"] for r in est["configurations"])
+    budget = (peaks[0] + peaks[-1]) // 2  # the smallest fits, the largest does not
+    done = run_cli("run", "--mem-budget", f"{budget / 2**20:.3f}MiB", "--trials", "6", *FAST, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    study = optuna.load_study(study_name=optuna.get_all_study_names(f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}")[0],
+                              storage=f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}")
+    launched = [t for t in study.trials if "started_at" in t.user_attrs]
+    skipped = [t for t in study.trials if "predicted peak" in t.user_attrs.get("prune_reason", "")]
+    assert skipped, "nothing was predicted over budget"
+    launched_dirs = list((tmp_path / "studies" / study.study_name / "trials").iterdir())
+    assert len(launched_dirs) == len(launched)  # one torchrun job per launched trial, none for the skipped
+    for t in launched:
+        assert t.user_attrs["predicted_device_peak_bytes"] <= budget
+    assert f"saved {len(skipped)} launches" in done.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "llama-404"], ["llama-404", "unknown preset"]),
+    (["--nproc", "6", "--nnodes", "4"], ["--nproc 6", "--nnodes 4"]),
+])
+def test_estimate_bad_input(tmp_path, args, words):
+    done = run_cli("estimate", "--mem-budget", "80GB", *args, cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words)
