@@ -9,6 +9,9 @@ margin and calibrates it against what the study has measured.
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,8 +71,11 @@ def memory_key(cfg: FsdpConfig) -> str:
 class EstimatorClient:
     """A long-lived ``python -m autotune.worker.estimate --serve``; thread-safe."""
 
-    def __init__(self, model: str, world_size: int, nnodes: int, seq_len: int) -> None:
+    def __init__(self, model: str, world_size: int, nnodes: int, seq_len: int, timeout_s: float = 600) -> None:
         self.request = {"model": model, "world_size": world_size, "nnodes": nnodes, "seq_len": seq_len}
+        # A model whose forward hangs must not hang the tuner: past this, the
+        # estimate is abandoned and the configuration is launched unestimated.
+        self.timeout_s = timeout_s
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -78,7 +84,7 @@ class EstimatorClient:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "autotune.worker.estimate", "--serve"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=die_with_parent, start_new_session=True,
             )
         return self._proc
 
@@ -89,12 +95,26 @@ class EstimatorClient:
             try:
                 proc.stdin.write(json.dumps({**self.request, "fsdp": cfg.to_dict()}) + "\n")
                 proc.stdin.flush()
-                line = proc.stdout.readline()
             except (BrokenPipeError, OSError) as exc:
                 return {"error": f"the estimator process failed: {exc}"}
+            ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s)
+            if not ready:
+                self._kill()
+                return {"error": f"no estimate within {self.timeout_s:.0f}s; abandoned"}
+            line = proc.stdout.readline()
         if not line:
             return {"error": "the estimator process exited"}
         return json.loads(line)
+
+    def _kill(self) -> None:
+        # The server and the child it forked for the estimate share a session.
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
+            self._proc = None
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -66,6 +66,8 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
     import warnings
 
     import optuna
+
+    from autotune.locks import exclusive
     from optuna.exceptions import ExperimentalWarning
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
@@ -86,14 +88,23 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
     # Optuna logs every caught trial failure with its traceback; the tuner
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    return _storage_class()(url, engine_kwargs=engine_kwargs, **kwargs)
+    # Creating the schema of a new database is not safe to race: tuners started
+    # together on a new file would both insert its version row.
+    with exclusive(_storage_lock_path(url)):
+        return _storage_class()(url, engine_kwargs=engine_kwargs, **kwargs)
+
+
+def _storage_lock_path(url: str) -> Path:
+    from autotune.locks import lock_dir
+
+    return lock_dir() / f"storage-{hashlib.sha256(url.encode()).hexdigest()[:16]}.lock"
 
 
 def _storage_class() -> type:
     from optuna.storages import RDBStorage
     from optuna.trial import TrialState
 
-    from autotune.locks import exclusive, lock_dir
+    from autotune.locks import exclusive
 
     class HostSerializedRDBStorage(RDBStorage):
         """RDBStorage whose WAITING -> RUNNING step is atomic across threads and processes.
@@ -104,11 +115,15 @@ def _storage_class() -> type:
         tell a COMPLETE trial". A host-wide lock around that one step closes the race.
         """
 
+        def __init__(self, url: str, **kwargs: Any) -> None:
+            # Optuna may rewrite self.url; the lock must follow what the user gave.
+            self._autotune_url = url
+            super().__init__(url, **kwargs)
+
         def set_trial_state_values(self, trial_id, state, values=None):  # type: ignore[override]
             if state != TrialState.RUNNING:
                 return super().set_trial_state_values(trial_id, state, values)
-            digest = hashlib.sha256(self.url.encode()).hexdigest()[:16]
-            with exclusive(lock_dir() / f"storage-{digest}.lock"):
+            with exclusive(_storage_lock_path(self._autotune_url)):
                 return super().set_trial_state_values(trial_id, state, values)
 
     return HostSerializedRDBStorage

@@ -195,6 +195,7 @@ class Tuner:
         self.bar = None
         self.estimator = None
         self.mbs_cap = None
+        self.frugal_prediction: tuple[FsdpConfig, int] | None = None
         self._predictions: dict[str, dict[str, Any]] = {}
         configs = settings.space.enumerate(model.layer_classes)
         self.space_size = len(configs)
@@ -299,10 +300,13 @@ class Tuner:
             return
         from autotune.estimate import EstimatorClient
 
-        self.estimator = EstimatorClient(self.settings.model, self.settings.nproc, self.settings.nnodes, self.settings.seq_len)
+        self.estimator = EstimatorClient(self.settings.model, self.settings.nproc, self.settings.nnodes,
+                                         self.settings.seq_len, timeout_s=self.settings.trial_timeout_s)
         hungriest = hungriest_config(self.settings.space, self.model.layer_classes)
         prediction = self._prediction(hungriest)
-        if prediction is not None and self._margin().apply(prediction["peak_bytes"]) * SAFETY <= self.settings.budget_bytes:
+        if prediction is None:
+            return
+        if self._margin().apply(prediction["peak_bytes"]) * SAFETY <= self.settings.budget_bytes:
             self.say(f"Memory estimate: even {hungriest.describe()} is predicted at "
                      f"{format_bytes(prediction['peak_bytes'])}, well within the budget; no configuration needs an estimate.")
             self.estimator.close()
@@ -311,7 +315,10 @@ class Tuner:
         frugal = frugal_config(self.settings.space, self.model.layer_classes)
         for mbs in sorted(self.settings.space.choices.get("micro_batch_size", (1,)), reverse=True):
             prediction = self._prediction(frugal.replace(micro_batch_size=mbs))
-            if prediction is not None and self._margin().apply(prediction["peak_bytes"]) <= self.settings.budget_bytes:
+            if prediction is None:
+                return  # no estimate, no cap: every configuration gets launched
+            self.frugal_prediction = (frugal.replace(micro_batch_size=mbs), self._margin().apply(prediction["peak_bytes"]))
+            if self.frugal_prediction[1] <= self.settings.budget_bytes:
                 self.mbs_cap = mbs
                 break
         else:

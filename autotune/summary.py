@@ -48,6 +48,22 @@ def summarize(study: optuna.Study, tuner: Tuner, settings: RunSettings, elapsed_
                 "Add memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, cpu_offload) "
                 "or use more devices."
             )
+        elif any(t.user_attrs.get("predicted_device_peak_bytes") for t in trials):
+            predicted = [t for t in trials if t.user_attrs.get("predicted_device_peak_bytes")]
+            trial = min(predicted, key=lambda t: t.user_attrs["predicted_device_peak_bytes"])
+            print(
+                f"No configuration fits in {settings.budget_text} ({format_bytes(budget)}): the smallest predicted peak "
+                f"was {format_bytes(trial.user_attrs['predicted_device_peak_bytes'])} (trial #{trial.number}, "
+                f"{trial.user_attrs.get('label')}), so nothing was launched. Raise --mem-budget, or add memory-saving "
+                "choices to the space; --no-estimate launches them anyway."
+            )
+        elif tuner.mbs_cap == 0 and tuner.frugal_prediction is not None:
+            cfg, peak = tuner.frugal_prediction
+            print(
+                f"No configuration fits in {settings.budget_text} ({format_bytes(budget)}): the smallest predicted peak "
+                f"was {format_bytes(peak)} ({cfg.describe()}, the most frugal choices of the space), so nothing was "
+                "launched. Raise --mem-budget; --no-estimate launches them anyway."
+            )
         else:
             print(f"No configuration fits in {settings.budget_text}: no trial finished with a measurement; see 'autotune trials'.")
         return 1
