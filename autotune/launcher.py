@@ -194,18 +194,20 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
     result_path = trial_dir / "result.json"
     if exit_code == 0 and result_path.exists():
         return TrialResult.from_dict(json.loads(result_path.read_text()))
-    # The root cause is the earliest failure: a rank's own error record, or a
-    # rank that died without one (killed by a signal, say). Its peers fail
-    # after it, when their collectives break.
-    died = _first_abnormal_exit(trial_dir)
-    first = failures[0] if failures else None
-    if first is not None and (died is None or first.get("time", 0) <= died.get("time", 0)):
+    # The root cause: a rank that died on its own without a word (a signal
+    # other than torchrun's SIGTERM, a hard exit: its peers then report broken
+    # collectives), else the earliest rank that reported its own error, else
+    # whichever rank ended first.
+    died = _first_abnormal_exit(trial_dir, unreported_only=True)
+    if died is None and failures:
+        first = failures[0]
         return TrialResult(
             status="crash",
             error=f"rank {first.get('rank')} failed: {first.get('error')}",
             failed_rank=first.get("rank"),
             exit_code=exit_code,
         )
+    died = died or _first_abnormal_exit(trial_dir, unreported_only=False)
     if died is not None:
         how = f"was killed by {died['signal']}" if died.get("signal") else f"exited with code {died['exit_code']}"
         rank_log = trial_dir / f"rank{died['rank']}.log"
@@ -222,14 +224,20 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
     )
 
 
-def _first_abnormal_exit(trial_dir: Path) -> dict | None:
-    """The earliest rank whose supervisor saw it end badly (signal or non-zero code)."""
+def _first_abnormal_exit(trial_dir: Path, unreported_only: bool) -> dict | None:
+    """The earliest rank whose supervisor saw it end badly (signal or non-zero
+    code); with ``unreported_only``, only ranks that wrote no error record and
+    were not stopped by torchrun's SIGTERM."""
+    reported = {int(p.name[4:].split(".")[0]) for p in trial_dir.glob("rank*.error.json")}
     records = []
     for path in trial_dir.glob("rank*.exit.json"):
         try:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if record.get("exit_code") != 0:
-            records.append(record)
+        if record.get("exit_code") == 0:
+            continue
+        if unreported_only and (record.get("rank") in reported or record.get("signal") == "SIGTERM"):
+            continue
+        records.append(record)
     return min(records, key=lambda r: r.get("time", float("inf"))) if records else None

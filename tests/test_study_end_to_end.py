@@ -44,7 +44,10 @@ def test_sqlite_holds_states_attrs_and_constraints(study_run):
     assert study.metric_names == ["tokens_per_s"]
     assert study.user_attrs["identity"]["budget_bytes"] == 20 * 10**9
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert len(complete) >= 4
+    stopped_early = [t for t in study.trials if t.user_attrs.get("aborted")]
+    # Five configurations (the smoke space and the baseline): each measured, or
+    # stopped early as hopeless (under a third of the best after warm-up).
+    assert len(complete) + len(stopped_early) >= 5
     launched = [t for t in complete if "reused_from" not in t.user_attrs]
     # The baseline (SHARD_GRAD_OP) plus the smoke space's 4 configurations, some maybe reused.
     assert complete[0].user_attrs["baseline"] is True
@@ -106,7 +109,7 @@ def test_trials_command_lists_every_trial(study_run):
     assert table.returncode == 0 and "baseline" in table.stdout
     as_json = json.loads(run_cli("trials", "--format", "json", cwd=root).stdout)
     assert len(as_json["trials"]) == len(_study(root).trials)
-    assert all(t["outcome"] == "ok" for t in as_json["trials"])
+    assert {t["outcome"] for t in as_json["trials"]} <= {"ok", "stopped-early"}
 
 
 def test_rerun_resumes_without_measuring_again(study_run):
