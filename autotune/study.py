@@ -546,26 +546,26 @@ class Tuner:
 SAFETY = 1.25
 
 
+def _first_offered(space: SearchSpace, name: str, preference: tuple) -> Any:
+    """The space's choice for ``name`` that comes first in ``preference``."""
+    options = space.choices.get(name, (getattr(FsdpConfig, name),))
+    return next((o for o in preference if o in options), options[0])
+
+
 def hungriest_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> FsdpConfig:
     """The space's choices that cost most memory: no sharding, one unit, fp32,
     no checkpointing or offload, prefetch on, the largest micro batch."""
-    c = space.choices
-
-    def pick(name: str, order: tuple) -> Any:
-        options = c.get(name, (getattr(FsdpConfig, name),))
-        return next((o for o in order if o in options), options[0])
-
-    version = pick("fsdp_version", (2, 1))
+    version = _first_offered(space, "fsdp_version", (2, 1))
     return FsdpConfig(
         fsdp_version=version,
-        sharding_strategy=pick("sharding_strategy", ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD", "FULL_SHARD")),
-        auto_wrap_policy=pick("auto_wrap_policy", ("none", "size_based", "transformer_layer")),
-        min_num_params=max(c.get("min_num_params", (FsdpConfig.min_num_params,))),
-        mixed_precision=pick("mixed_precision", ("fp32", "bf16_fp32_reduce", "fp16", "bf16")),
-        activation_checkpointing=pick("activation_checkpointing", ("none", "every_other_layer", "full")),
-        forward_prefetch=pick("forward_prefetch", (True, False)),
-        backward_prefetch=pick("backward_prefetch", ("BACKWARD_PRE", "BACKWARD_POST", "none")) if version == 1 else "BACKWARD_PRE",
-        micro_batch_size=max(c.get("micro_batch_size", (1,))),
+        sharding_strategy=_first_offered(space, "sharding_strategy", ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD", "FULL_SHARD")),
+        auto_wrap_policy=_first_offered(space, "auto_wrap_policy", ("none", "size_based", "transformer_layer")),
+        min_num_params=max(space.choices.get("min_num_params", (FsdpConfig.min_num_params,))),
+        mixed_precision=_first_offered(space, "mixed_precision", ("fp32", "bf16_fp32_reduce", "fp16", "bf16")),
+        activation_checkpointing=_first_offered(space, "activation_checkpointing", ("none", "every_other_layer", "full")),
+        forward_prefetch=_first_offered(space, "forward_prefetch", (True, False)),
+        backward_prefetch=_first_offered(space, "backward_prefetch", ("BACKWARD_PRE", "BACKWARD_POST", "none")) if version == 1 else "BACKWARD_PRE",
+        micro_batch_size=max(space.choices.get("micro_batch_size", (1,))),
         transformer_layer_cls=layer_classes,
     )
 
@@ -573,20 +573,13 @@ def hungriest_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> Fsdp
 def frugal_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> FsdpConfig:
     """The space's choices that cost least memory (but CPU offload, which the
     host may not run): full sharding, per-layer units, bf16, full checkpointing."""
-    c = space.choices
-
-    def pick(name: str, order: tuple) -> Any:
-        options = c.get(name, (getattr(FsdpConfig, name),))
-        return next((o for o in order if o in options), options[0])
-
-    version = pick("fsdp_version", (2, 1))
     return FsdpConfig(
-        fsdp_version=version,
-        sharding_strategy=pick("sharding_strategy", ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD")),
-        auto_wrap_policy=pick("auto_wrap_policy", ("transformer_layer", "size_based", "none")),
-        min_num_params=min(c.get("min_num_params", (FsdpConfig.min_num_params,))),
-        mixed_precision=pick("mixed_precision", ("bf16", "fp16", "bf16_fp32_reduce", "fp32")),
-        activation_checkpointing=pick("activation_checkpointing", ("full", "every_other_layer", "none")),
+        fsdp_version=_first_offered(space, "fsdp_version", (2, 1)),
+        sharding_strategy=_first_offered(space, "sharding_strategy", ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD")),
+        auto_wrap_policy=_first_offered(space, "auto_wrap_policy", ("transformer_layer", "size_based", "none")),
+        min_num_params=min(space.choices.get("min_num_params", (FsdpConfig.min_num_params,))),
+        mixed_precision=_first_offered(space, "mixed_precision", ("bf16", "fp16", "bf16_fp32_reduce", "fp32")),
+        activation_checkpointing=_first_offered(space, "activation_checkpointing", ("full", "every_other_layer", "none")),
         transformer_layer_cls=layer_classes,
     )
 
