@@ -8,15 +8,15 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.space import DIMENSIONS as SPACE_DIMENSIONS
 from autotune.study import CONSTRAINT_KEY, is_feasible, trial_config
 from autotune.units import format_bytes
 
 FEASIBLE = "#1f77b4"
 INFEASIBLE = "#b0b0b0"
-DIMENSIONS = (
-    "fsdp_version", "sharding_strategy", "auto_wrap_policy", "mixed_precision", "activation_checkpointing",
-    "forward_prefetch", "backward_prefetch", "limit_all_gathers", "cpu_offload", "micro_batch_size",
-)  # fmt: skip
+# The search dimensions, as the space defines them; min_num_params is a number
+# within one wrap policy, not a choice worth a box plot of its own.
+DIMENSIONS = tuple(d.name for d in SPACE_DIMENSIONS if d.name != "min_num_params")
 
 
 def _measured(study: optuna.Study) -> list[FrozenTrial]:
