@@ -61,6 +61,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 0 and below 1, like 0.02 for 2%")
+    return value
+
+
 def _add_study_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--storage", default=DEFAULT_STORAGE, help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
     parser.add_argument("--study-name", help="study to read (default: the only study in the storage)")
@@ -103,9 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--storage", default=DEFAULT_STORAGE,
                      help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
     run.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the synthetic data (default: 0)")
-    run.add_argument("--warmup-steps", type=_positive_int, default=2, help="untimed steps before timing (default: 2)")
-    run.add_argument("--timed-steps", type=_positive_int, default=6,
-                     help="timed steps; tokens/s uses their median step time (default: 6)")
+    run.add_argument("--warmup-steps", type=_positive_int, default=2,
+                     help="untimed steps before timing; the last one, never the first, also measures peak memory "
+                          "(default: 2)")
+    run.add_argument("--timed-steps", type=_positive_int, default=10,
+                     help="most timed steps per trial; tokens/s uses their median step time (default: 10)")
+    run.add_argument("--timing-ci", type=_fraction, default=0.02, metavar="FRACTION",
+                     help="stop timing a trial, after at least 3 steps, once its mean step time is known to within "
+                          "this fraction at 95%% confidence; 0 always runs every timed step (default: 0.02)")
     run.add_argument("--wrap-class", action="append", default=[], metavar="CLASS",
                      help="class name of the model's repeated block, for wrapping and checkpointing; repeat for "
                           "several (default: the model's _no_split_modules)")
@@ -221,6 +236,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         warmup_steps=args.warmup_steps,
         timed_steps=args.timed_steps,
+        timing_ci=args.timing_ci,
         quiet=args.quiet,
         device_type=host.device_type,
         slots=slots,

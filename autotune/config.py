@@ -208,14 +208,17 @@ class TrialRequest:
     model: str = "llama-tiny"
     seq_len: int = 256
     warmup_steps: int = 2
-    timed_steps: int = 5
+    timed_steps: int = 10
     seed: int = 0
     # "auto" picks CUDA + NCCL when GPUs are visible, else CPU + gloo.
     device: str = "auto"
     nnodes: int = 1
-    # Stop after warm-up, without timing, when the run is slower than this:
+    # Stop after the first timed steps when the run is slower than this:
     # hopeless trials then cost a few steps instead of a whole measurement.
     abort_below_tokens_per_s: float | None = None
+    # Stop timing once the mean step time is known to within this fraction
+    # (95% confidence); 0 always runs all ``timed_steps``.
+    timing_ci: float = 0.02
 
     def __post_init__(self) -> None:
         if isinstance(self.fsdp, Mapping):
@@ -237,6 +240,9 @@ class TrialRequest:
             )
         _check_type("seed", self.seed, int)
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        _check_type("timing_ci", self.timing_ci, float)
+        if not 0 <= self.timing_ci < 1:
+            raise ConfigError(f"timing_ci={self.timing_ci} must be at least 0 and below 1 (0.02 means 2%)")
         if self.abort_below_tokens_per_s is not None:
             _check_type("abort_below_tokens_per_s", self.abort_below_tokens_per_s, float)
 
@@ -277,6 +283,7 @@ class TrialResult:
     step_time_p10_s: float | None = None
     step_time_p90_s: float | None = None
     step_time_cv: float | None = None
+    timed_steps: int | None = None
     tokens_per_step: int | None = None
     peak_memory_bytes: int | None = None
     memory_method: str | None = None

@@ -16,8 +16,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from autotune.config import TrialRequest, TrialResult, write_json_atomic
+from autotune.forkserver import ForkedProcess, ForkServer, spawn
 from autotune.lifeline import die_with_parent
 
 # Seconds between SIGTERM and SIGKILL when a trial is stopped.
@@ -105,7 +107,7 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def kill_process_tree(proc: subprocess.Popen) -> None:
+def kill_process_tree(proc: subprocess.Popen | ForkedProcess) -> None:
     """Stop torchrun and every rank: SIGTERM first so torchrun can shut its
     workers down, then SIGKILL for anything still alive after a grace period."""
     tree = process_tree(proc.pid)
@@ -119,6 +121,36 @@ def kill_process_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def start_torchrun(
+    command: list[str],
+    log: IO[bytes],
+    env: dict[str, str],
+    device_type: str,
+    devices: tuple[int, ...] | None,
+    forks: ForkServer | None,
+) -> subprocess.Popen | ForkedProcess:
+    """torchrun's agent, forked from the fork server when one is ready (its
+    ranks are then forked too), else exec'd as a fresh interpreter."""
+    if forks is not None and forks.ready():
+        affinity = devices if device_type == "cpu" and devices is not None else None
+        try:
+            # command is [python, "-m", "torch.distributed.run", *arguments]
+            return spawn(forks.socket_path, "torch.distributed.run:main", command[3:], stdout_fd=log.fileno(),
+                         env={**env, **forks.env()}, affinity=affinity, new_session=True)
+        except OSError as exc:
+            log.write(f"autotune: fork server unavailable ({exc}); starting torchrun afresh\n".encode())
+            log.flush()
+    return subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_start_in_slot(device_type, devices),
+    )
+
+
 def launch_trial(
     request: TrialRequest,
     trial_dir: Path,
@@ -126,8 +158,10 @@ def launch_trial(
     timeout_s: float,
     device_type: str = "cpu",
     devices: tuple[int, ...] | None = None,
+    forks: ForkServer | None = None,
 ) -> LaunchOutcome:
-    """Run one trial to its end; ``devices`` (GPU indices, or CPU cores) confines it to a slot."""
+    """Run one trial to its end; ``devices`` (GPU indices, or CPU cores) confines
+    it to a slot; ``forks`` starts its processes without paying imports."""
     trial_dir.mkdir(parents=True, exist_ok=True)
     config_path = trial_dir / "config.json"
     write_json_atomic(config_path, request.to_dict())
@@ -135,15 +169,8 @@ def launch_trial(
     start = time.perf_counter()
     started_at = time.time()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            torchrun_command(nproc, config_path, trial_dir),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=_trial_env(nproc, device_type, devices),
-            start_new_session=True,
-            preexec_fn=_start_in_slot(device_type, devices),
-        )
+        proc = start_torchrun(torchrun_command(nproc, config_path, trial_dir), log,
+                              _trial_env(nproc, device_type, devices), device_type, devices, forks)
         try:
             proc.wait(timeout=timeout_s)
             timed_out = False

@@ -23,8 +23,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import FsdpConfig, TrialRequest, TrialResult
 from autotune.errors import UsageError
+from autotune.forkserver import ForkServer
 from autotune.host import HostInfo, ModelInfo, host_incompatibility
-from autotune.launcher import launch_trial
+from autotune.launcher import LaunchOutcome, launch_trial
 from autotune.lifeline import process_alive, process_start_ticks
 from autotune.locks import device_slot, exclusive
 from autotune.space import SearchSpace
@@ -33,9 +34,10 @@ from autotune.units import format_bytes
 
 METRIC_NAME = "tokens_per_s"
 CONSTRAINT_KEY = "peak_memory_over_budget"
-# A trial whose post-warm-up speed is below best / ABORT_FACTOR stops there:
-# it cannot win, and on CPU a slow precision can cost ten times a fast one.
-ABORT_FACTOR = 3.0
+# A trial whose first timed steps run below best / ABORT_FACTOR stops there: at
+# half the best speed it cannot win, whatever the noise (a few percent), and on
+# CPU a slow precision can cost ten times a fast one.
+ABORT_FACTOR = 2.0
 # Stop drawing when this many draws in a row launch nothing (all pruned or
 # already measured): the sampler has nothing new left to propose.
 MAX_IDLE_DRAWS = 200
@@ -60,7 +62,8 @@ class RunSettings:
     storage_url: str
     seed: int = 0
     warmup_steps: int = 2
-    timed_steps: int = 6
+    timed_steps: int = 10
+    timing_ci: float = 0.02
     nnodes: int = 1
     # Predict each configuration's peak before launch and skip those over budget.
     use_estimate: bool = True
@@ -86,6 +89,12 @@ def baseline_config(host: HostInfo, layer_classes: tuple[str, ...]) -> FsdpConfi
         mixed_precision="bf16" if host.bf16_is_fast else "fp32",
         micro_batch_size=1,
     )
+
+
+def enqueue_baseline(study: optuna.Study, host: HostInfo, layer_classes: tuple[str, ...]) -> None:
+    """Measure the recommended starting point first: every later trial is
+    compared with it, and the early abort needs a best to compare against."""
+    study.enqueue_trial(_as_params(baseline_config(host, layer_classes)), user_attrs={"baseline": True})
 
 
 def _set_constraint(trial: optuna.Trial, violation: float) -> None:
@@ -185,6 +194,8 @@ class Tuner:
     """The objective and its bookkeeping for one ``autotune run``."""
 
     def __init__(self, study: optuna.Study, settings: RunSettings, host: HostInfo, model: ModelInfo) -> None:
+        # Forks trial processes from pre-imported interpreters; None starts fresh ones.
+        self.forks: ForkServer | None = None
         self.study = study
         self.settings = settings
         self.host = host
@@ -290,18 +301,24 @@ class Tuner:
         return self._launch(trial, cfg)
 
     # -- the memory estimate ------------------------------------------------
-    def start_estimator(self) -> None:
+    def start_estimator(self, estimator: Any | None = None) -> None:
         """Plan pruning: no estimates at all when even the hungriest configuration
         of the space is predicted to fit; else cap the micro batch at the largest
-        predicted fit."""
+        predicted fit.
+
+        ``estimator`` (anything with ``estimate(cfg)`` and ``close()``) replaces
+        the fake-step subprocess: benchmarks replay recorded predictions through it.
+        """
         self.estimator = None
         self.mbs_cap: int | None = None
         if not self.settings.use_estimate:
             return
-        from autotune.estimate import EstimatorClient
+        if estimator is None:
+            from autotune.estimate import EstimatorClient
 
-        self.estimator = EstimatorClient(self.settings.model, self.settings.nproc, self.settings.nnodes,
-                                         self.settings.seq_len, timeout_s=self.settings.trial_timeout_s)
+            estimator = EstimatorClient(self.settings.model, self.settings.nproc, self.settings.nnodes,
+                                        self.settings.seq_len, timeout_s=self.settings.trial_timeout_s)
+        self.estimator = estimator
         hungriest = hungriest_config(self.settings.space, self.model.layer_classes)
         prediction = self._prediction(hungriest)
         if prediction is None:
@@ -436,6 +453,7 @@ class Tuner:
             seq_len=self.settings.seq_len,
             warmup_steps=self.settings.warmup_steps,
             timed_steps=self.settings.timed_steps,
+            timing_ci=self.settings.timing_ci,
             seed=self.settings.seed,
             nnodes=self.settings.nnodes,
             abort_below_tokens_per_s=best / ABORT_FACTOR if best else None,
@@ -447,8 +465,7 @@ class Tuner:
         waiting = lambda: self._progress(trial, cfg, "waiting for a free device slot")  # noqa: E731
         with device_slot(self.host.device_type, slots, on_wait=waiting) as slot:
             trial.set_user_attr("devices", list(slot))
-            outcome = launch_trial(request, trial_dir, self.settings.nproc, self.settings.trial_timeout_s,
-                                   self.host.device_type, devices=slot)
+            outcome = self.run_trial(request, trial_dir, slot)
         with self._lock:
             self.counts.trial_wall_s.append(outcome.wall_s)
         trial.set_user_attr("started_at", outcome.started_at)
@@ -461,6 +478,11 @@ class Tuner:
         if result.phases:
             trial.set_user_attr("phases", result.phases)
         return self._record(trial, cfg, result, best)
+
+    def run_trial(self, request: TrialRequest, trial_dir: Path, slot: tuple[int, ...]) -> LaunchOutcome:
+        """The one torchrun job; benchmarks replay a measured table through this seam."""
+        return launch_trial(request, trial_dir, self.settings.nproc, self.settings.trial_timeout_s,
+                            self.host.device_type, devices=slot, forks=self.forks)
 
     def _record(self, trial: optuna.Trial, cfg: FsdpConfig, result: TrialResult, best: float | None) -> float:
         budget = self.settings.budget_bytes
@@ -482,7 +504,7 @@ class Tuner:
             return float(result.tokens_per_s)
         if result.status == "aborted":
             self._count("aborted")
-            reason = f"hopeless: {result.tokens_per_s:,.0f} tok/s after warm-up, under 1/{ABORT_FACTOR:g} of the best {best:,.0f}"
+            reason = f"hopeless: {result.tokens_per_s:,.0f} tok/s over the first timed steps, under 1/{ABORT_FACTOR:g} of the best {best:,.0f}"
             trial.set_user_attr("aborted", True)
             trial.set_user_attr("tokens_per_s_partial", result.tokens_per_s)
             trial.set_user_attr("prune_reason", reason)
@@ -628,25 +650,32 @@ def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[
     study = load_or_create_study(settings, storage)
     study.set_user_attr("host", host.as_dict())
     tuner = Tuner(study, settings, host, model)
-    tuner.start_estimator()
-    # Several tuners may start on one study at once: one of them enqueues the baseline.
-    with exclusive(tuner.folder / "claims.lock"):
-        if not study.get_trials(deepcopy=False):
-            baseline = baseline_config(host, model.layer_classes)
-            study.enqueue_trial(_as_params(baseline), user_attrs={"baseline": True})
-        recover_stale_trials(study, tuner.say)
-    start = time.perf_counter()
-    if tuner.space_exhausted(study):
-        tuner.say(f"All {tuner.space_size} configurations of the space were measured in earlier runs.")
-    else:
-        tuner.start_progress()
-        try:
-            study.optimize(
-                tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,), n_jobs=max(1, len(settings.slots))
-            )
-        finally:
-            tuner.close_progress()
-            tuner.close_estimator()
+    # Started first: its imports overlap the estimator's start.
+    tuner.forks = ForkServer()
+    try:
+        tuner.start_estimator()
+        # Several tuners may start on one study at once: one of them enqueues the baseline.
+        with exclusive(tuner.folder / "claims.lock"):
+            if not study.get_trials(deepcopy=False):
+                enqueue_baseline(study, host, model.layer_classes)
+            recover_stale_trials(study, tuner.say)
+        start = time.perf_counter()
+        if tuner.space_exhausted(study):
+            tuner.say(f"All {tuner.space_size} configurations of the space were measured in earlier runs.")
+        else:
+            if not tuner.forks.ready():
+                tuner.say(f"Fork server unavailable ({tuner.forks.error}); each trial starts fresh interpreters.")
+            tuner.start_progress()
+            try:
+                study.optimize(
+                    tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,),
+                    n_jobs=max(1, len(settings.slots)),
+                )
+            finally:
+                tuner.close_progress()
+    finally:
+        tuner.close_estimator()
+        tuner.forks.close()
     tuner.refresh_note(study)
     return study, tuner, time.perf_counter() - start
 

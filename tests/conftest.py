@@ -54,3 +54,24 @@ def chromium(tmp_path):
 
     ARTIFACTS.mkdir(exist_ok=True)
     return run
+
+
+@pytest.fixture(scope="session")
+def forks():
+    """One fork server for the session, as one ``autotune run`` has: trials
+    start in about a second instead of paying torch's imports per process."""
+    from autotune.forkserver import ForkServer
+
+    # The server imports test targets (tests.forkserver_targets) by name.
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), previous]))
+    try:
+        server = ForkServer()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
+    assert server.ready(), server.error
+    yield server
+    server.close()

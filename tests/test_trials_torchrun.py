@@ -15,19 +15,22 @@ STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 GRID = [(v, s, ac) for v in (1, 2) for s in STRATEGIES for ac in ("none", "full")]
 
 
-def _run(tmp_path_factory, cfg: FsdpConfig, model: str = "llama-tiny", timeout: float = 240, **request):
+def _run(tmp_path_factory, cfg: FsdpConfig, model: str = "llama-tiny", timeout: float = 240, forks=None, **request):
+    """One trial; with ``forks`` its processes are forked as ``autotune run``
+    forks them, without it each is a fresh interpreter (the fallback path)."""
     trial_dir = tmp_path_factory.mktemp("trial")
-    req = TrialRequest(fsdp=cfg, model=model, seq_len=128, warmup_steps=1, timed_steps=3, **request)
-    return launch_trial(req, trial_dir, nproc=2, timeout_s=timeout, device_type="cpu")
+    req = TrialRequest(fsdp=cfg, model=model, **{"seq_len": 128, "warmup_steps": 1, "timed_steps": 3, **request})
+    return launch_trial(req, trial_dir, nproc=2, timeout_s=timeout, device_type="cpu", forks=forks)
 
 
 @pytest.fixture(scope="module")
-def grid_results(tmp_path_factory):
+def grid_results(tmp_path_factory, forks):
     results = {}
     for version, strategy, ac in GRID:
         cfg = FsdpConfig(fsdp_version=version, sharding_strategy=strategy, activation_checkpointing=ac,
                          transformer_layer_cls=("LlamaDecoderLayer",), micro_batch_size=2)
-        results[(version, strategy, ac)] = _run(tmp_path_factory, cfg)
+        # One of them starts fresh interpreters: both paths must measure alike.
+        results[(version, strategy, ac)] = _run(tmp_path_factory, cfg, forks=None if (version, strategy, ac) == GRID[0] else forks)
     return results
 
 
@@ -71,22 +74,22 @@ def test_checkpointing_lowers_peak_memory(grid_results, version):
 
 
 @pytest.mark.parametrize("version", (1, 2))
-def test_fp16_trains_with_the_sharded_grad_scaler(tmp_path_factory, version):
+def test_fp16_trains_with_the_sharded_grad_scaler(tmp_path_factory, forks, version):
     cfg = FsdpConfig(fsdp_version=version, mixed_precision="fp16", transformer_layer_cls=("LlamaDecoderLayer",))
-    outcome = _run(tmp_path_factory, cfg)
+    outcome = _run(tmp_path_factory, cfg, forks=forks)
     assert outcome.result.status == "ok", outcome.log_path.read_text()[-3000:]
     assert math.isfinite(outcome.result.loss_last)
 
 
-def test_size_based_wrap_and_prefetch_on_a_non_transformers_model(tmp_path_factory):
+def test_size_based_wrap_and_prefetch_on_a_non_transformers_model(tmp_path_factory, forks):
     cfg = FsdpConfig(fsdp_version=2, auto_wrap_policy="size_based", min_num_params=1000, forward_prefetch=True,
                      activation_checkpointing="every_other_layer")
-    outcome = _run(tmp_path_factory, cfg, model="tests.models:tiny")
+    outcome = _run(tmp_path_factory, cfg, model="tests.models:tiny", forks=forks)
     assert outcome.result.status == "ok", outcome.log_path.read_text()[-3000:]
 
 
-def test_oom_is_classified_from_the_rank_error_file(tmp_path_factory):
-    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=1), model="tests.models:oom")
+def test_oom_is_classified_from_the_rank_error_file(tmp_path_factory, forks):
+    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=1), model="tests.models:oom", forks=forks)
     assert outcome.result.status == "oom"
     assert "OutOfMemoryError" in outcome.result.error
     assert outcome.result.failed_rank in (0, 1)
@@ -100,8 +103,8 @@ def test_crash_names_the_rank(tmp_path_factory):
     assert outcome.result.exit_code != 0
 
 
-def test_rank_killed_by_a_signal_is_named_with_its_log(tmp_path_factory):
-    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=1), model="tests.models:killed_on_rank1")
+def test_rank_killed_by_a_signal_is_named_with_its_log(tmp_path_factory, forks):
+    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=1), model="tests.models:killed_on_rank1", forks=forks)
     result = outcome.result
     assert result.status == "crash"
     assert result.failed_rank == 1
@@ -110,13 +113,34 @@ def test_rank_killed_by_a_signal_is_named_with_its_log(tmp_path_factory):
     assert "rank 1 is about to be killed" in result.error  # the last lines of its own log
 
 
-def test_timeout_kills_the_whole_job(tmp_path_factory):
+@pytest.mark.parametrize("forked", (False, True), ids=("fresh", "forked"))
+def test_timeout_kills_the_whole_job(tmp_path_factory, forks, forked):
     import subprocess
 
     before = set(subprocess.run(["pgrep", "-f", "autotune.worker"], capture_output=True, text=True).stdout.split())
-    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=2), model="tests.models:hang", timeout=8)
+    outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=2), model="tests.models:hang", timeout=8,
+                   forks=forks if forked else None)
     assert outcome.result.status == "timeout"
     assert outcome.wall_s < 40
     after = set(subprocess.run(["pgrep", "-f", "autotune.worker"], capture_output=True, text=True).stdout.split())
     assert after - before == set(), "ranks outlived the killed trial"
     assert process_tree(os.getpid())[0] == os.getpid()
+
+
+def test_timing_stops_once_the_mean_is_known_and_never_before_three_steps(tmp_path_factory, forks):
+    cfg = FsdpConfig(fsdp_version=2, transformer_layer_cls=("LlamaDecoderLayer",))
+    loose = _run(tmp_path_factory, cfg, forks=forks, timed_steps=6, timing_ci=0.9).result
+    exact = _run(tmp_path_factory, cfg, forks=forks, timed_steps=6, timing_ci=0.0).result
+    assert loose.status == exact.status == "ok"
+    assert loose.timed_steps == 3  # converged at once, but 3 steps is the floor
+    assert exact.timed_steps == 6  # timing_ci=0 runs every timed step
+
+
+def test_a_hopeless_trial_stops_after_two_timed_steps_with_its_partial_figure(tmp_path_factory, forks):
+    cfg = FsdpConfig(fsdp_version=2, transformer_layer_cls=("LlamaDecoderLayer",))
+    outcome = _run(tmp_path_factory, cfg, forks=forks, abort_below_tokens_per_s=1e12)
+    result = outcome.result
+    assert result.status == "aborted", outcome.log_path.read_text()[-3000:]
+    assert result.timed_steps == 2
+    assert 0 < result.tokens_per_s < 1e12
+    assert result.peak_memory_bytes > 0  # measured in the warm-up, so kept too

@@ -17,7 +17,8 @@ import time
 import warnings
 
 
-def _time_matmul(dtype, device, size: int = 384, repeats: int = 8) -> float:
+def time_matmul(dtype, device, size: int = 384, repeats: int = 8) -> float:
+    """Seconds per ``size`` x ``size`` matmul in ``dtype``, after two untimed ones."""
     import torch
 
     a = torch.randn(size, size, device=device).to(dtype)
@@ -56,16 +57,16 @@ def describe_host() -> dict:
         # them they are several times slower. Measure rather than read flags.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        fp32 = _time_matmul(torch.float32, device)
+        fp32 = time_matmul(torch.float32, device)
         try:
-            bf16 = _time_matmul(torch.bfloat16, device)
+            bf16 = time_matmul(torch.bfloat16, device)
             info["bf16_supported"] = True
             info["bf16_speedup"] = round(fp32 / bf16, 3)
         except RuntimeError:
             info["bf16_supported"] = False
             info["bf16_speedup"] = None
         try:
-            _time_matmul(torch.float16, device, repeats=1)
+            time_matmul(torch.float16, device, repeats=1)
             info["fp16_supported"] = True
         except RuntimeError:
             info["fp16_supported"] = False

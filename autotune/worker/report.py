@@ -25,7 +25,8 @@ def build_result(
 ) -> TrialResult:
     """Collective: every rank must call it. Only rank 0's return value is complete."""
     gathered: list = [None] * rank.world_size
-    dist.all_gather_object(gathered, (measurement.step_times, measurement.memory))
+    # Step times are already the slowest rank's, step by step (see train.measure).
+    dist.all_gather_object(gathered, measurement.memory)
     cfg = request.fsdp
     tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
     import transformers
@@ -43,22 +44,21 @@ def build_result(
         num_params=num_params,
         phases={k: round(v, 4) for k, v in phases.items()},
     )
+    result.rank_memory = list(gathered)
+    result.timed_steps = len(measurement.step_times)
+    result.peak_memory_bytes = max(m.peak for m in result.rank_memory)
+    result.memory_method = "cuda_caching_allocator" if rank.device.type == "cuda" else "live_tensor_storages"
     if measurement.aborted_tokens_per_s is not None:
         result.status = "aborted"
         result.tokens_per_s = measurement.aborted_tokens_per_s
         return result
 
-    # Per step, the job waits for its slowest rank.
-    per_step = [max(times[i] for times, _ in gathered) for i in range(len(measurement.step_times))]
-    stats = step_time_stats(per_step)
+    stats = step_time_stats(measurement.step_times)
     result.tokens_per_s = tokens_per_step / stats["median"]
     result.step_time_median_s = stats["median"]
     result.step_time_p10_s = stats["p10"]
     result.step_time_p90_s = stats["p90"]
     result.step_time_cv = stats["cv"]
-    result.rank_memory = [memory for _, memory in gathered]
-    result.peak_memory_bytes = max(m.peak for m in result.rank_memory)
-    result.memory_method = "cuda_caching_allocator" if rank.device.type == "cuda" else "live_tensor_storages"
     for loss in (result.loss_first, result.loss_last):
         if loss is None or not math.isfinite(loss):
             result.status = "crash"

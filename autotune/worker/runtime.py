@@ -36,6 +36,10 @@ def init_distributed(requested_device: str) -> Rank:
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        # OpenMP reads this variable when torch loads; a rank forked from the
+        # fork server loaded torch under the server's environment, not its own.
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     device = select_device(requested_device, local_rank)
     if device.type == "cuda":
         # Binding the device eagerly lets NCCL create its communicator now,

@@ -1,6 +1,8 @@
 """What torchrun starts for each rank: ``python -m autotune.worker.supervise CONFIG TRIAL_DIR``.
 
-It runs the real rank (``python -m autotune.worker``) as its child, copies the
+It runs the real rank (``autotune.worker``'s main, forked from the tuner's
+fork server when the environment names one, else ``python -m autotune.worker``)
+as its child, copies the
 child's output to the trial log and to ``rank<N>.log``, and records how the
 child ended in ``rank<N>.exit.json``: exit code, or the signal that killed it.
 A rank killed by SIGKILL or a segfault cannot write anything itself; this way
@@ -16,9 +18,36 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO, Any
 
+from autotune import forkserver
 from autotune.config import write_json_atomic
 from autotune.lifeline import die_with_parent
+
+
+def start_rank(config: str, trial_dir: Path) -> tuple[Any, IO[bytes]]:
+    """The rank process and its combined output: forked from the tuner's fork
+    server when there is one (no imports to pay), else a fresh interpreter."""
+    socket_path = os.environ.get(forkserver.ENV_VAR)
+    if socket_path:
+        read_fd, write_fd = os.pipe()
+        try:
+            child = forkserver.spawn(socket_path, "autotune.worker.__main__:main", [config, str(trial_dir)],
+                                     stdout_fd=write_fd, affinity=os.sched_getaffinity(0))
+            return child, os.fdopen(read_fd, "rb")
+        except OSError as exc:
+            os.close(read_fd)
+            print(f"autotune: fork server unavailable ({exc}); starting the rank in a fresh interpreter", flush=True)
+        finally:
+            os.close(write_fd)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "autotune.worker", config, str(trial_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
+    return child, child.stdout
 
 
 def main(argv: list[str]) -> int:
@@ -28,18 +57,13 @@ def main(argv: list[str]) -> int:
     config, trial_dir = argv[0], Path(argv[1])
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
-    child = subprocess.Popen(
-        [sys.executable, "-m", "autotune.worker", config, str(trial_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent,
-    )
+    child, output = start_rank(config, trial_dir)
     # torchrun stops a job by signalling each rank's process group, which holds
-    # the child too; SIGTERM is forwarded in case it is sent to this pid alone.
+    # an exec'd child too; SIGTERM is forwarded for a forked one, and in case it
+    # is sent to this pid alone.
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
     with open(trial_dir / f"rank{rank}.log", "wb") as rank_log:
-        for line in iter(child.stdout.readline, b""):
+        for line in iter(output.readline, b""):
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
             rank_log.write(line)

@@ -1,4 +1,4 @@
-"""The measured run: warm-up steps, timed steps, then one memory step.
+"""The measured run: untimed warm-up steps (the last one measures memory), then timed steps.
 
 The training step is deliberately plain (forward, backward, optimizer step) so
 that what is timed is what a user's training loop does, and nothing else.
@@ -6,6 +6,7 @@ that what is timed is what a user's training loop does, and nothing else.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -14,8 +15,15 @@ import torch.distributed as dist
 from torch import nn
 
 from autotune.config import RankMemory, TrialRequest
-from autotune.worker.measure import LiveStorageTracker
+from autotune.worker.measure import LiveStorageTracker, relative_ci95
 from autotune.worker.runtime import Rank, synchronize
+
+
+# Timing stops on convergence no earlier than this many steps: fewer give no
+# usable spread.
+MIN_TIMED_STEPS = 3
+# A hopeless trial is recognised after this many timed steps.
+ABORT_CHECK_AFTER = 2
 
 
 def make_batch(vocab_size: int, micro_batch_size: int, seq_len: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -66,6 +74,14 @@ def _max_across_ranks(value: float, device: torch.device) -> float:
 
 
 def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank) -> Measurement:
+    """Untimed steps (the last of them measures peak memory), then timed steps.
+
+    Timing stops early in two cases, decided on the same cross-rank step times
+    so every rank stops together: the mean step time is known to within
+    ``request.timing_ci`` (95% confidence, after MIN_TIMED_STEPS), or, after
+    ABORT_CHECK_AFTER steps, the trial is too slow to matter (its partial
+    figure is kept).
+    """
     device = rank.device
     cfg = request.fsdp
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -74,43 +90,45 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
     tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
     result = Measurement()
 
-    def timed_step() -> tuple[float, torch.Tensor]:
-        start = time.perf_counter()
-        loss = train_step(model, optimizer, tokens, scaler)
-        synchronize(device)
-        return time.perf_counter() - start, loss
+    def step() -> torch.Tensor:
+        return train_step(model, optimizer, tokens, scaler)
 
     phase_start = time.perf_counter()
-    last_warmup = 0.0
-    for i in range(request.warmup_steps):
-        last_warmup, loss = timed_step()
-        if i == 0:
+    # The first step allocates optimizer state, so memory is measured on a
+    # later one; it is untimed anyway, and so serves as a warm-up step too.
+    for _ in range(max(request.warmup_steps, 2) - 1):
+        loss = step()
+        if result.loss_first is None:
             result.loss_first = float(loss.item())
+    result.memory = measure_memory_step(step, rank)
     result.phases["warmup_s"] = time.perf_counter() - phase_start
-
-    if request.abort_below_tokens_per_s is not None:
-        estimate = tokens_per_step / _max_across_ranks(last_warmup, device)
-        if estimate < request.abort_below_tokens_per_s:
-            result.aborted_tokens_per_s = estimate
-            return result
 
     dist.barrier()
     phase_start = time.perf_counter()
     for _ in range(request.timed_steps):
-        seconds, loss = timed_step()
-        result.step_times.append(seconds)
+        start = time.perf_counter()
+        loss = step()
+        synchronize(device)
+        result.step_times.append(_max_across_ranks(time.perf_counter() - start, device))
+        n = len(result.step_times)
+        if request.abort_below_tokens_per_s is not None and n == min(ABORT_CHECK_AFTER, request.timed_steps):
+            estimate = tokens_per_step / statistics.median(result.step_times)
+            if estimate < request.abort_below_tokens_per_s:
+                result.aborted_tokens_per_s = estimate
+                break
+        if request.timing_ci and n >= MIN_TIMED_STEPS and relative_ci95(result.step_times) <= request.timing_ci:
+            break
     result.loss_last = float(loss.item())
+    if device.type == "cuda":
+        # The allocator's pool can still grow after the memory step.
+        result.memory.peak_reserved = max(result.memory.peak_reserved, torch.cuda.max_memory_reserved(device))
     dist.barrier()
     result.phases["timed_s"] = time.perf_counter() - phase_start
-
-    phase_start = time.perf_counter()
-    result.memory = measure_memory_step(lambda: train_step(model, optimizer, tokens, scaler), rank)
-    result.phases["memory_step_s"] = time.perf_counter() - phase_start
     return result
 
 
 def measure_memory_step(step, rank: Rank) -> RankMemory:
-    """Run one more step on its own and report this rank's peak memory.
+    """Run one step and report this rank's peak memory.
 
     On CUDA, ``peak_allocated`` is the step's peak of live tensors and
     ``peak_reserved`` the allocator's peak over the whole run, which is what an

@@ -1,0 +1,50 @@
+"""The fork server's process: ``python -m autotune.worker.preload SOCKET_PATH``.
+
+Imports what torchrun's agent and a rank need, once, then forks them on
+request (see :mod:`autotune.forkserver`). It must run no tensor op and never
+touch CUDA: a forked child cannot use a CUDA context its parent created, and
+OpenMP's thread pool does not survive a fork once it has started.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+
+def preload() -> None:
+    import torch  # noqa: F401
+    import torch.distributed.run  # noqa: F401 - torchrun's agent
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper  # noqa: F401
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard  # noqa: F401
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    import autotune.worker.__main__  # noqa: F401
+    from autotune.worker import fsdp, models, train  # noqa: F401
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m autotune.worker.preload SOCKET_PATH", flush=True)
+        return 2
+    try:
+        preload()
+    except Exception as exc:  # noqa: BLE001 - the driver falls back to fresh interpreters
+        print(f"preload failed: {type(exc).__name__}: {exc}", flush=True)
+        return 1
+    import torch
+
+    if torch.cuda.is_initialized():
+        print("preload failed: importing initialized CUDA, which a forked process cannot use", flush=True)
+        return 1
+    # Objects that exist now are never collected: a fork's pages stay shared
+    # instead of being copied when the collector touches their headers.
+    gc.freeze()
+    from autotune.forkserver import serve
+
+    serve(argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
