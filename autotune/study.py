@@ -78,23 +78,26 @@ def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: 
     return f"{model_label}-w{nproc}-s{seq_len}-{budget_text}"
 
 
-def baseline_config(host: HostInfo, layer_classes: tuple[str, ...]) -> FsdpConfig:
+def baseline_config(host: HostInfo, layer_classes: tuple[str, ...], space: SearchSpace | None = None) -> FsdpConfig:
     """The commonly recommended starting point: SHARD_GRAD_OP, one FSDP unit per
-    transformer layer, bf16 where the device runs it fast, else fp32."""
+    transformer layer, bf16 where the device runs it fast, else fp32; at the
+    space's smallest micro batch (the micro batch is the user's workload, not an
+    FSDP setting, so the baseline stays within the sizes they asked for)."""
+    sizes = space.choices.get("micro_batch_size", (1,)) if space is not None else (1,)
     return FsdpConfig(
         fsdp_version=2,
         sharding_strategy="SHARD_GRAD_OP",
         auto_wrap_policy="transformer_layer",
         transformer_layer_cls=layer_classes,
         mixed_precision="bf16" if host.bf16_is_fast else "fp32",
-        micro_batch_size=1,
+        micro_batch_size=min(sizes),
     )
 
 
-def enqueue_baseline(study: optuna.Study, host: HostInfo, layer_classes: tuple[str, ...]) -> None:
+def enqueue_baseline(study: optuna.Study, host: HostInfo, layer_classes: tuple[str, ...], space: SearchSpace) -> None:
     """Measure the recommended starting point first: every later trial is
     compared with it, and the early abort needs a best to compare against."""
-    study.enqueue_trial(_as_params(baseline_config(host, layer_classes)), user_attrs={"baseline": True})
+    study.enqueue_trial(_as_params(baseline_config(host, layer_classes, space)), user_attrs={"baseline": True})
 
 
 def _set_constraint(trial: optuna.Trial, violation: float) -> None:
@@ -657,7 +660,7 @@ def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[
         # Several tuners may start on one study at once: one of them enqueues the baseline.
         with exclusive(tuner.folder / "claims.lock"):
             if not study.get_trials(deepcopy=False):
-                enqueue_baseline(study, host, model.layer_classes)
+                enqueue_baseline(study, host, model.layer_classes, settings.space)
             recover_stale_trials(study, tuner.say)
         start = time.perf_counter()
         if tuner.space_exhausted(study):

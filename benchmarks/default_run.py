@@ -5,8 +5,9 @@
 1. Runs ``autotune run --mem-budget 20GB`` in a fresh folder, as a user would,
    and reports its wall time and how many trials finished.
 2. Splits each launched trial's wall time into launch + imports, model build,
-   FSDP wrap, warm-up, timed steps, memory step, and the rest (torchrun start
-   and teardown, result, persistence), from the phases every worker records.
+   FSDP wrap, warm-up (whose last step measures memory), timed steps, and the
+   rest (torchrun start and teardown, result), from the phases every worker
+   records (``overhead.py`` splits the whole study, driver included).
 3. Re-measures the exported best configuration ``--repeats`` times on its own
    (``autotune measure``) and compares tokens/s with the study's figure.
 4. Runs ``--mem-budget 1MB`` and checks the no-fit message and exit status 1.
@@ -20,8 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,28 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import optuna
 from optuna.trial import TrialState
 
-PHASES = ("launch_and_import_s", "build_s", "wrap_s", "warmup_s", "timed_s", "memory_step_s")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reporting import machine, publish  # noqa: E402
+from overhead import launched_trials, phase_totals, run_study  # noqa: E402
 
 
 def autotune(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "autotune", *args], cwd=cwd, capture_output=True, text=True)
     return done, time.perf_counter() - start
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def main() -> int:
@@ -62,20 +50,13 @@ def main() -> int:
 
     extra = ["--space", "smoke", "--seq-len", "64", "--trials", "3"] if args.quick else []
     work = Path(tempfile.mkdtemp(prefix="autotune-bench-"))
-    run, run_wall = autotune("run", "--mem-budget", "20GB", *extra, cwd=work)
-    if run.returncode != 0:
-        print(run.stdout, run.stderr, sep="\n")
-        return 1
-    storage = f"sqlite:///{work / 'studies' / 'autotune.db'}"
-    (name,) = optuna.get_all_study_names(storage)
-    study = optuna.load_study(study_name=name, storage=storage)
+    run, run_wall, study = run_study(work, extra)
+    name = study.study_name
     trials = study.get_trials(deepcopy=False)
     finished = [t for t in trials if t.state == TrialState.COMPLETE and "reused_from" not in t.user_attrs]
-    launched = [t for t in trials if "wall_s" in t.user_attrs and "reused_from" not in t.user_attrs]
-
-    totals = {p: sum(t.user_attrs.get("phases", {}).get(p, 0.0) for t in launched) for p in PHASES}
+    launched = launched_trials(study)
+    totals = phase_totals(launched)
     wall_total = sum(t.user_attrs["wall_s"] for t in launched)
-    totals["other_s"] = wall_total - sum(totals.values())
 
     best = study.best_trial
     best_file = work / "studies" / name / "best_config.json"
@@ -123,10 +104,7 @@ def main() -> int:
         "```",
     ]
     report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(report + "\n")
+    publish(report, args.out)
     return 0 if nofit.returncode == 1 else 1
 
 

@@ -20,10 +20,11 @@ from pathlib import Path
 
 from autotune.config import FsdpConfig, TrialRequest
 from autotune.estimate import EstimatorClient
+from autotune.forkserver import ForkServer
 from autotune.launcher import launch_trial
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from default_run import machine  # noqa: E402
+from reporting import machine, publish  # noqa: E402
 
 SEQ_LEN = 128
 LAYER = ("LlamaDecoderLayer",)
@@ -53,6 +54,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     client = EstimatorClient("llama-tiny", world_size=2, nnodes=1, seq_len=SEQ_LEN)
+    forks = ForkServer()
     work = Path(tempfile.mkdtemp(prefix="autotune-estimator-"))
     rows, errors, seconds = [], [], []
     for i, cfg in enumerate(grid(args.quick)):
@@ -62,7 +64,7 @@ def main() -> int:
             return 1
         seconds.append(predicted["seconds"])
         outcome = launch_trial(TrialRequest(fsdp=cfg, model="llama-tiny", seq_len=SEQ_LEN, warmup_steps=1, timed_steps=2),
-                               work / str(i), nproc=2, timeout_s=300)
+                               work / str(i), nproc=2, timeout_s=300, forks=forks)
         measured = outcome.result.peak_memory_bytes
         if outcome.result.status != "ok":
             print(f"trial failed for {cfg.describe()}: {outcome.result.error}")
@@ -73,6 +75,7 @@ def main() -> int:
                     f"{error:+.2f}% | {predicted['method']} |")
         print(rows[-1], flush=True)
     client.close()
+    forks.close()
     median, worst = statistics.median(errors), max(errors)
     lines = [
         f"# Estimator accuracy ({'quick' if args.quick else 'full'}) — {datetime.date.today().isoformat()}",
@@ -89,10 +92,7 @@ def main() -> int:
         f"(target: median <= 5%, max <= 15%). Median estimate time {statistics.median(seconds):.2f} s.",
     ]
     report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(report + "\n")
+    publish(report, args.out)
     return 0 if median <= 5 and worst <= 15 else 1
 
 

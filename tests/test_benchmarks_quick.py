@@ -1,5 +1,6 @@
 """Benchmarks are scripts, not timed tests; CI only keeps them working in --quick mode."""
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -8,16 +9,68 @@ import pytest
 
 pytestmark = pytest.mark.torchrun
 REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+
+
+def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
 
 
 def test_default_run_benchmark_quick(tmp_path):
     out = tmp_path / "report.md"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "default_run.py"), "--quick", "--repeats", "1", "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    bench("default_run.py", "--repeats", "1", "--out", str(out), cwd=tmp_path)
     report = out.read_text()
-    for phase in ("launch_and_import", "build", "wrap", "warmup", "timed", "memory_step", "other"):
+    for phase in ("launch_and_import", "build", "wrap", "warmup", "timed", "rest_of_job"):
         assert f"| {phase} |" in report
     assert "exit 1; No configuration fits in 1MB" in report
+
+
+def test_overhead_benchmark_quick_compares_fork_server_and_fresh_interpreters(tmp_path):
+    out = tmp_path / "overhead.md"
+    bench("overhead.py", "--out", str(out), cwd=tmp_path)
+    report = out.read_text()
+    assert "| fork server | fresh interpreters |" in report.replace("share of the study's wall time | ", "")
+    assert "| outside warm-up + timed steps |" in report and "**study wall time**" in report
+
+
+def test_grid_then_search_efficiency_replay_quick(tmp_path):
+    table = tmp_path / "grid.csv"
+    bench("grid.py", "--out", str(table), cwd=tmp_path)
+    lines = table.read_text().splitlines()
+    assert any(line.startswith("# machine: ") for line in lines) and "# passes: 1" in lines
+    rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    # The smoke space's 4 configurations, and the tuner's baseline, which lies outside it.
+    assert [r["note"].startswith("baseline") for r in rows] == [False] * 4 + [True]
+    assert all(r["status"] == "ok" and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert all(int(r["predicted_peak_bytes"]) > 0 and int(r["peak_memory_bytes"]) > 0 for r in rows)
+    report = tmp_path / "efficiency.md"
+    bench("search_efficiency.py", "--table", str(table), "--out", str(report), cwd=tmp_path)
+    text = report.read_text()
+    for strategy in ("autotune", "optuna-tpe", "random", "grid"):
+        assert f"| {strategy} |" in text
+
+
+def test_search_efficiency_quick_on_the_committed_table(tmp_path):
+    """The committed ground truth still loads, and the real tuner replays on it."""
+    fig = tmp_path / "fig.html"
+    done = bench("search_efficiency.py", "--table", str(BENCH / "data" / "grid_cpu.csv"), "--figure", str(fig), cwd=REPO)
+    assert "| autotune |" in done.stdout
+    assert "plotly" in fig.read_text().lower()
+
+
+def test_noise_benchmark_quick(tmp_path):
+    out = tmp_path / "noise.md"
+    bench("noise.py", "--config", str(BENCH / "results" / "exports" / "best.json"), "--out", str(out), cwd=tmp_path)
+    report = out.read_text()
+    for name in ("best found", "SHARD_GRAD_OP + bf16 + layer wrap", "PyTorch FSDP defaults"):
+        assert f"| {name}: " in report
+    assert "MFU:" in report and "GFLOP/s" in report
+
+
+def test_estimator_accuracy_benchmark_quick(tmp_path):
+    out = tmp_path / "accuracy.md"
+    bench("estimator_accuracy.py", "--out", str(out), cwd=tmp_path)
+    assert "2 configurations: median absolute error" in out.read_text()

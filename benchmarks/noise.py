@@ -1,0 +1,157 @@
+"""Noise of a measurement, and the speed-up and MFU of the best configuration.
+
+    python benchmarks/noise.py [--quick] [--config best_config.json] [--repeats 5] [--out benchmarks/results/noise_cpu.md]
+
+1. Takes the best configuration of a default study (``autotune run --mem-budget
+   20GB`` in a fresh folder), or the exported ``--config``.
+2. Measures it ``--repeats`` times, each a fresh torchrun trial exactly as the
+   tuner runs one, interleaved with the same number of trials of two
+   baselines at the same micro batch and sequence length, so a drift of the
+   shared machine lands on all three alike:
+   - the commonly recommended SHARD_GRAD_OP + bf16 + one FSDP unit per layer;
+   - PyTorch's FSDP defaults: ``FullyShardedDataParallel(model)`` with no
+     wrap policy, FULL_SHARD, fp32, no checkpointing.
+3. Reports the coefficient of variation of tokens/s over fresh trials (target:
+   at most 3%, the tolerance to use when comparing configurations), the
+   speed-ups (ratio of medians), and MFU: model FLOPs per second (6 x matmul
+   parameters + 12 x layers x hidden x seq len per token, PaLM's count; the
+   recomputation of activation checkpointing is not model FLOPs) over the
+   device's peak, on CPU a dense 2048^3 matmul on every core measured in the
+   same run (the faster of fp32 and bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from autotune.config import FsdpConfig
+from autotune.export import request_from_export
+from autotune.forkserver import ForkServer
+from autotune.launcher import launch_trial
+from autotune.presets import PRESETS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reporting import machine, publish  # noqa: E402
+from overhead import run_study  # noqa: E402
+
+TARGET_CV = 0.03
+PEAK_SCRIPT = """
+import json, os, sys, torch
+from autotune.worker.probe import time_matmul
+torch.set_num_threads(os.cpu_count())
+size = int(sys.argv[1])
+peaks = {}
+for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    peaks[name] = 2 * size ** 3 / time_matmul(dtype, torch.device("cpu"), size=size, repeats=5)
+print(json.dumps(peaks))
+"""
+
+
+def model_flops_per_token(model: str, seq_len: int) -> float:
+    cfg = PRESETS[model]
+    hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    ffn, heads, kv = cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = hidden // heads
+    # Matmul weights only: the input embedding is a lookup.
+    per_layer = hidden * (heads * head_dim) + 2 * hidden * (kv * head_dim) + (heads * head_dim) * hidden + 3 * hidden * ffn
+    matmul_params = layers * per_layer + hidden * vocab
+    return 6 * matmul_params + 12 * layers * hidden * seq_len
+
+
+def baselines(best: FsdpConfig) -> dict[str, FsdpConfig]:
+    common = dict(micro_batch_size=best.micro_batch_size, transformer_layer_cls=best.transformer_layer_cls)
+    return {
+        "SHARD_GRAD_OP + bf16 + layer wrap": FsdpConfig(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP",
+                                                        auto_wrap_policy="transformer_layer", mixed_precision="bf16", **common),
+        "PyTorch FSDP defaults": FsdpConfig(fsdp_version=1, sharding_strategy="FULL_SHARD", auto_wrap_policy="none",
+                                            mixed_precision="fp32", **common),
+    }
+
+
+def cv(values: list[float]) -> float:
+    return statistics.stdev(values) / statistics.mean(values) if len(values) > 1 else 0.0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke study, 2 repeats, short sequence: keeps the script working")
+    parser.add_argument("--config", default=None, help="an exported best_config.json (default: run a default study first)")
+    parser.add_argument("--repeats", type=int, default=5, help="fresh trials of each configuration")
+    parser.add_argument("--out", default=None, help="also write the report to this Markdown file")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats = 2
+
+    work = Path(tempfile.mkdtemp(prefix="autotune-noise-"))
+    if args.config:
+        doc = json.loads(Path(args.config).read_text())
+        source = f"`{args.config}`"
+    else:
+        extra = ["--space", "smoke", "--seq-len", "64", "--trials", "3"] if args.quick else []
+        _, wall, study = run_study(work, extra)
+        doc = json.loads((work / "studies" / study.study_name / "best_config.json").read_text())
+        source = f"a fresh default study (`autotune run --mem-budget 20GB{' ' + ' '.join(extra) if extra else ''}`, {wall:.0f} s)"
+    best_request = request_from_export(doc)
+    if args.quick:
+        best_request = dataclasses.replace(best_request, seq_len=64)
+    candidates = {"best found": best_request.fsdp, **baselines(best_request.fsdp)}
+
+    speeds: dict[str, list[float]] = {name: [] for name in candidates}
+    forks = ForkServer()
+    try:
+        for rep in range(args.repeats):
+            for name, cfg in candidates.items():
+                request = dataclasses.replace(best_request, fsdp=cfg, seed=rep)
+                outcome = launch_trial(request, work / f"{rep}-{len(speeds[name])}-{name[:4]}", 2, timeout_s=600, forks=forks)
+                if outcome.result.status != "ok":
+                    raise SystemExit(f"{name} ({cfg.describe()}) failed: {outcome.result.status} {outcome.result.error}")
+                speeds[name].append(outcome.result.tokens_per_s)
+                print(f"[{rep + 1}/{args.repeats}] {name}: {outcome.result.tokens_per_s:,.0f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        forks.close()
+
+    peak_run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, "512" if args.quick else "2048"],
+                              capture_output=True, text=True, check=True)
+    peaks = json.loads(peak_run.stdout.strip().splitlines()[-1])
+    peak = max(peaks.values())
+    flops_per_token = model_flops_per_token(best_request.model, best_request.seq_len)
+    medians = {name: statistics.median(v) for name, v in speeds.items()}
+    cvs = {name: cv(v) for name, v in speeds.items()}
+
+    lines = [
+        f"# Noise, speed-up and MFU ({'quick' if args.quick else 'full'}) — {datetime.date.today().isoformat()}",
+        "",
+        f"Machine: {machine()}; command: `python benchmarks/noise.py{' --quick' if args.quick else ''} --repeats {args.repeats}`.",
+        f"Best configuration from {source}. Model {best_request.model}, seq len {best_request.seq_len}, 2 ranks; "
+        f"{args.repeats} fresh trials of each configuration, interleaved.",
+        "",
+        "| configuration | tokens/s per trial | median | CV | speed-up of the best | MFU |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, cfg in candidates.items():
+        mfu = medians[name] * flops_per_token / peak
+        lines.append(f"| {name}: `{cfg.describe()}` | {', '.join(f'{s:,.0f}' for s in speeds[name])} | "
+                     f"{medians[name]:,.0f} | {100 * cvs[name]:.1f}% | {medians['best found'] / medians[name]:.2f}x | {100 * mfu:.1f}% |")
+    lines += [
+        "",
+        f"Noise: CV of the best configuration over {args.repeats} fresh trials **{100 * cvs['best found']:.1f}%** "
+        f"(target <= {TARGET_CV:.0%}); the largest CV of the three: {100 * max(cvs.values()):.1f}%.",
+        f"MFU: {flops_per_token / 1e6:.2f} MFLOP per token; device peak {peak / 1e9:.1f} GFLOP/s "
+        f"(dense matmul on every core: fp32 {peaks['fp32'] / 1e9:.1f}, "
+        f"bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s).",
+    ]
+    report = "\n".join(lines)
+    publish(report, args.out)
+    return 0 if args.quick or cvs["best found"] <= TARGET_CV else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
