@@ -55,7 +55,7 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction, like 0.02 for 2%") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} must be greater than 0")
     return value
@@ -65,7 +65,7 @@ def _fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction, like 0.02 for 2%") from None
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"{text} must be at least 0 and below 1, like 0.02 for 2%")
     return value
