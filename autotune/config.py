@@ -200,6 +200,11 @@ class FsdpConfig:
         return " ".join(parts)
 
 
+# A trial given ``abort_below_tokens_per_s`` is judged after this many timed
+# steps: the worker stops there, and replays of a measured table charge that many.
+ABORT_CHECK_STEPS = 2
+
+
 @dataclass(frozen=True)
 class TrialRequest:
     """Everything one torchrun job needs: the contents of ``config.json``."""

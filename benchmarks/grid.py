@@ -152,6 +152,8 @@ def main() -> int:
     notes = {cfg.key(): host_incompatibility(cfg, host) or "" for cfg in configs}
     skip = {key for key, note in notes.items() if note}
     notes.update(extra)
+    # Every trial runs the tuner's default measurement protocol.
+    protocol = TrialRequest(fsdp=configs[0], model=args.model, seq_len=args.seq_len)
     header = {
         "tabular benchmark": f"every configuration of {Path(space.path).name}, measured by benchmarks/grid.py",
         "space": args.space,
@@ -163,8 +165,9 @@ def main() -> int:
         "model_info": json.dumps(dataclasses.asdict(model)),
         "ranks": str(args.nproc),
         "seq_len": str(args.seq_len),
-        "measurement": "2 warm-up steps (the second measures memory), then timed steps until the 95% CI of the mean "
-                       "is within 2% (at most 10); cross-rank max step time; never stopped early",
+        "measurement": f"{protocol.warmup_steps} warm-up steps (the last measures memory), then timed steps until "
+                       f"the 95% CI of the mean is within {protocol.timing_ci:.0%} (at most {protocol.timed_steps}); "
+                       "cross-rank max step time; never stopped early",
         "command": "python benchmarks/grid.py" + (" --quick" if args.quick else f" --repeats {args.repeats}"),
     }
     started = time.perf_counter()

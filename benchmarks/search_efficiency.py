@@ -45,7 +45,7 @@ from pathlib import Path
 
 import optuna
 
-from autotune.config import FsdpConfig, TrialRequest, TrialResult
+from autotune.config import ABORT_CHECK_STEPS, FsdpConfig, TrialRequest, TrialResult
 from autotune.estimate import memory_key
 from autotune.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launcher import LaunchOutcome
@@ -64,16 +64,13 @@ BAND = 0.03
 EXHAUSTIVE = ("random", "grid")
 # Wider bands too: on a noisy host, configurations closer than the trial-to-trial
 # noise (benchmarks/noise.py) are ties, and a single-pass table ranks them by chance.
-BANDS = (0.03, 0.05, 0.10)
-# An aborted trial stops after this many timed steps (autotune.worker.train.ABORT_CHECK_AFTER).
-ABORT_STEPS = 2
+BANDS = (BAND, 0.05, 0.10)
 
 
 @dataclass(frozen=True)
 class Measured:
     tokens_per_s: float | None
     peak: int | None
-    predicted: int | None
     status: str
     wall_s: float
     timed_s: float
@@ -100,14 +97,16 @@ class Table:
                 self.configs.append(cfg)  # the space; the baseline row is only for the tuner's first trial
             self.rows[cfg.key()] = Measured(
                 tokens_per_s=number("tokens_per_s"), peak=number("peak_memory_bytes", int),
-                predicted=number("predicted_peak_bytes", int), status=row["status"], wall_s=number("wall_s") or 0.0,
+                status=row["status"], wall_s=number("wall_s") or 0.0,
                 timed_s=number("timed_s") or 0.0, timed_steps=number("timed_steps", int) or 1,
             )
             if row["predicted_peak_bytes"]:
                 self.predicted[memory_key(cfg)] = (int(row["predicted_peak_bytes"]), float(row["estimate_s"] or 0.0))
-        peaks = sorted(self.rows[c.key()].peak for c in self.configs if self.rows[c.key()].status == "ok")
-        self.budget_text = format_bytes(statistics.median(peaks)) if budget == "median" else budget
-        self.budget = int(statistics.median(peaks)) if budget == "median" else parse_memory(budget)
+        if budget == "median":
+            median = statistics.median(self.rows[c.key()].peak for c in self.configs if self.rows[c.key()].status == "ok")
+            self.budget, self.budget_text = int(median), format_bytes(median)
+        else:
+            self.budget, self.budget_text = parse_memory(budget), budget
         feasible = [self.rows[c.key()].tokens_per_s for c in self.configs if self.feasible(self.rows[c.key()])]
         if not feasible:
             raise SystemExit(f"no configuration of {path} fits {self.budget_text}; choose a larger --budget")
@@ -126,7 +125,7 @@ class Table:
     def cost(self, cfg: FsdpConfig, aborted: bool = False) -> float:
         m = self.rows[cfg.key()]
         if aborted:
-            return m.wall_s - m.timed_s + m.timed_s * min(ABORT_STEPS, m.timed_steps) / m.timed_steps
+            return m.wall_s - m.timed_s + m.timed_s * min(ABORT_CHECK_STEPS, m.timed_steps) / m.timed_steps
         return m.wall_s
 
 

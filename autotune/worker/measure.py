@@ -33,8 +33,8 @@ def relative_ci95(times: list[float]) -> float:
         return float("inf")
     mean = statistics.fmean(times)
     df = len(times) - 1
-    t = _T95.get(df) or next((v for k, v in sorted(_T95.items(), reverse=True) if k <= df), 1.96)
-    t = t if df <= 30 else 1.96
+    # Between tabulated rows, the smaller df's (larger, so safer) quantile.
+    t = 1.96 if df > 30 else next(v for k, v in sorted(_T95.items(), reverse=True) if k <= df)
     return t * statistics.stdev(times) / len(times) ** 0.5 / mean if mean > 0 else float("inf")
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotune.config import RankMemory, TrialRequest
+from autotune.config import ABORT_CHECK_STEPS, RankMemory, TrialRequest
 from autotune.worker.measure import LiveStorageTracker, relative_ci95
 from autotune.worker.runtime import Rank, synchronize
 
@@ -22,8 +22,6 @@ from autotune.worker.runtime import Rank, synchronize
 # Timing stops on convergence no earlier than this many steps: fewer give no
 # usable spread.
 MIN_TIMED_STEPS = 3
-# A hopeless trial is recognised after this many timed steps.
-ABORT_CHECK_AFTER = 2
 
 
 def make_batch(vocab_size: int, micro_batch_size: int, seq_len: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -79,7 +77,7 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
     Timing stops early in two cases, decided on the same cross-rank step times
     so every rank stops together: the mean step time is known to within
     ``request.timing_ci`` (95% confidence, after MIN_TIMED_STEPS), or, after
-    ABORT_CHECK_AFTER steps, the trial is too slow to matter (its partial
+    ABORT_CHECK_STEPS steps, the trial is too slow to matter (its partial
     figure is kept).
     """
     device = rank.device
@@ -111,7 +109,7 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
         synchronize(device)
         result.step_times.append(_max_across_ranks(time.perf_counter() - start, device))
         n = len(result.step_times)
-        if request.abort_below_tokens_per_s is not None and n == min(ABORT_CHECK_AFTER, request.timed_steps):
+        if request.abort_below_tokens_per_s is not None and n == min(ABORT_CHECK_STEPS, request.timed_steps):
             estimate = tokens_per_step / statistics.median(result.step_times)
             if estimate < request.abort_below_tokens_per_s:
                 result.aborted_tokens_per_s = estimate
