@@ -11,7 +11,7 @@ from autotune.estimate import EstimatorClient, Margin, calibrated_margin
 from tests.conftest import run_cli
 
 LAYER = ("LlamaDecoderLayer",)
-FAST = ["--seq-len", "64", "--warmup-steps", "1", "--timed-steps", "2", "--space", "smoke"]
+FAST = ["--seq-len", "64", "--warmup-steps", "2", "--timed-steps", "2", "--space", "smoke"]
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +130,45 @@ def test_estimate_bad_input(tmp_path, args, words):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and all(w in lines[0] for w in words)
+
+
+@pytest.mark.parametrize("version", (1, 2))
+@pytest.mark.parametrize("strategy", ("FULL_SHARD", "SHARD_GRAD_OP"))
+def test_fp16_is_estimated_with_its_grad_scaler(tiny, version, strategy):
+    """The scaler's step reads a data-dependent found-inf flag that fake tensors
+    cannot answer; the estimate runs its public pieces instead."""
+    fp16 = tiny(fsdp_version=version, sharding_strategy=strategy, mixed_precision="fp16")
+    bf16 = tiny(fsdp_version=version, sharding_strategy=strategy, mixed_precision="bf16")
+    # Same dtype sizes; the scaler adds its scale, growth tracker and found-inf flags.
+    assert bf16 <= fp16 <= bf16 * 1.05
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("version", (1, 2))
+def test_fp16_estimate_matches_a_real_fp16_trial(version, tmp_path, forks):
+    from autotune.config import TrialRequest
+    from autotune.launcher import launch_trial
+
+    cfg = FsdpConfig(fsdp_version=version, mixed_precision="fp16", micro_batch_size=2, transformer_layer_cls=LAYER)
+    client = EstimatorClient("llama-tiny", 2, 1, 64)
+    try:
+        predicted = client.estimate(cfg)
+    finally:
+        client.close()
+    outcome = launch_trial(TrialRequest(fsdp=cfg, seq_len=64, timed_steps=3), tmp_path, 2, 240, forks=forks)
+    assert outcome.result.status == "ok", outcome.log_path.read_text()[-3000:]
+    assert predicted["peak_bytes"] == pytest.approx(outcome.result.peak_memory_bytes, rel=0.02)
+
+
+@pytest.mark.torchrun
+def test_estimate_json_gives_every_row_a_peak(tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP]\n"
+                     "mixed_precision: fp16\ncpu_offload: [false, true]\nmicro_batch_size: 1\n")
+    done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "-f", "json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["configurations"]
+    assert len(rows) == 8
+    for row in rows:
+        assert "error" not in row, row
+        assert isinstance(row["predicted_peak_bytes"], int) and row["predicted_peak_bytes"] > 0

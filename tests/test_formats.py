@@ -82,24 +82,26 @@ def test_accelerate_builds_its_fsdp_plugin_from_the_yaml(case, tmp_path, monkeyp
 
 
 def test_training_arguments_accept_the_hf_output(case, tmp_path):
+    """Loaded exactly as the README says: TrainingArguments(output_dir=..., **json.load(f))."""
     from transformers import TrainingArguments
 
     cfg, doc = case
-    data = json.loads(render(doc, "hf")[0])
-    kwargs = {k: data[k] for k in ("fsdp", "fsdp_config", "bf16", "fp16", "per_device_train_batch_size", "use_cpu")}
-    if cfg.fsdp_version == 2 or cfg.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
-        args = TrainingArguments(output_dir=str(tmp_path), **kwargs)
-        assert args.fsdp_config["version"] == cfg.fsdp_version
-        plugin_args = args.fsdp_plugin_args
-        assert plugin_args["fsdp_version"] == cfg.fsdp_version
-        assert plugin_args["activation_checkpointing"] == (cfg.activation_checkpointing != "none")
-        if cfg.fsdp_version == 2:
-            assert plugin_args["reshard_after_forward"] == cfg.reshard_after_forward
-        else:
-            assert plugin_args["reshard_after_forward"] == cfg.sharding_strategy.lower()
-        assert args.per_device_train_batch_size == cfg.micro_batch_size
+    text, notes = render(doc, "hf")
+    path = tmp_path / "hf_training_args.json"
+    path.write_text(text)
+    with open(path) as f:
+        args = TrainingArguments(output_dir=str(tmp_path), **json.load(f))
+    assert args.fsdp_config["version"] == cfg.fsdp_version
+    plugin_args = args.fsdp_plugin_args
+    assert plugin_args["fsdp_version"] == cfg.fsdp_version
+    assert plugin_args["activation_checkpointing"] == (cfg.activation_checkpointing != "none")
+    if cfg.fsdp_version == 2:
+        assert plugin_args["reshard_after_forward"] == cfg.reshard_after_forward
+    else:
+        assert plugin_args["reshard_after_forward"] == cfg.sharding_strategy.lower()
+    assert args.per_device_train_batch_size == cfg.micro_batch_size
     if cfg.activation_checkpointing == "every_other_layer":
-        assert any("every_other_layer" in n for n in data["notes"])
+        assert any("every_other_layer" in n for n in notes)
 
 
 # The torchtitan v0.2.2 job-file keys this exporter may write, and their types.
@@ -130,9 +132,10 @@ def test_torchtitan_toml_parses_and_matches_the_schema(case):
 
 TRAIN_WITH_EXPORT = '''
 import math, sys
+sys.modules["autotune"] = None  # the exported module must work without autotune
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-from fsdp_config import CONFIG, apply_fsdp, make_grad_scaler
+from fsdp_config import CONFIG, apply_fsdp, grad_scaler
 from transformers import LlamaConfig, LlamaForCausalLM
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -140,7 +143,7 @@ model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_
                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=256))
 model = apply_fsdp(model, device=torch.device("cpu"))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-scaler = make_grad_scaler()
+scaler = grad_scaler(torch.device("cpu"))
 tokens = torch.randint(0, 256, (2, 32))
 for _ in range(2):
     loss = model(input_ids=tokens, labels=tokens).loss
@@ -162,23 +165,104 @@ os._exit(0)
 '''
 
 
+def _torchrun(script: str, tmp_path, *args: str, env=None) -> subprocess.CompletedProcess:
+    (tmp_path / "script.py").write_text(script)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "script.py", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
 @pytest.mark.torchrun
 @pytest.mark.parametrize("name", ["fsdp1-full-layer-bf16-ac", "fsdp2-sgo-every-other"])
 def test_python_module_wraps_a_model_in_a_real_torchrun_job(name, tmp_path):
     cfg = CONFIGS[name]
     text, _ = render(export_doc(cfg), "python")
     (tmp_path / "fsdp_config.py").write_text(text)
-    (tmp_path / "train.py").write_text(TRAIN_WITH_EXPORT)
     # A clean environment: the module must not need autotune.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "train.py", str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
+    done = _torchrun(TRAIN_WITH_EXPORT, tmp_path, str(tmp_path), env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "import autotune" not in text and "from autotune" not in text
     line = next(l for l in done.stdout.splitlines() if l.startswith("TRAINED"))
     assert line.split()[1] == ("FullyShardedDataParallel" if cfg.fsdp_version == 1 else "FSDPLlamaForCausalLM")
+
+
+def test_python_module_is_the_workers_own_apply_steps():
+    """One copy of the apply steps: the export carries worker/fsdp.py verbatim,
+    and that file imports torch and the standard library only."""
+    import ast
+    from pathlib import Path
+
+    import autotune.worker
+
+    source = (Path(autotune.worker.__file__).parent / "fsdp.py").read_text()
+    text, _ = render(export_doc(CONFIGS["fsdp2-sgo-every-other"]), "python")
+    assert source in text
+    roots = {(node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+             for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.Import, ast.ImportFrom))
+             for alias in (node.names if isinstance(node, ast.Import) else [node])}
+    assert roots <= {"torch", "functools", "typing", "__future__"}, roots
+
+
+MEASURE_WITH_EXPORT = '''
+import json, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from fsdp_config import CONFIG, apply_fsdp, grad_scaler
+from transformers import LlamaConfig, LlamaForCausalLM
+from autotune.presets import PRESETS
+from autotune.worker.measure import LiveStorageTracker
+from autotune.worker.train import make_batch, train_step
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+preset = dict(PRESETS["llama-tiny"]); preset.pop("model_type")
+# Real weights on the host, as most training scripts have them, or the meta
+# device, as large models are built.
+with torch.device(sys.argv[3]):
+    model = LlamaForCausalLM(LlamaConfig(**preset))
+model = apply_fsdp(model, device=torch.device("cpu"))
+assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+scaler = grad_scaler(torch.device("cpu"))
+tokens = make_batch(1024, CONFIG["micro_batch_size"], int(sys.argv[2]), torch.device("cpu"), dist.get_rank())
+train_step(model, opt, tokens, scaler)
+with LiveStorageTracker() as tracker:
+    train_step(model, opt, tokens, scaler)
+peaks = [None, None]
+dist.all_gather_object(peaks, tracker.peak_bytes)
+if dist.get_rank() == 0:
+    print("PEAKS", json.dumps(peaks), flush=True)
+dist.barrier()
+import os
+os._exit(0)
+'''
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("cfg, built_on", [
+    (FsdpConfig(fsdp_version=2, sharding_strategy="FULL_SHARD", transformer_layer_cls=LAYER, mixed_precision="bf16",
+                activation_checkpointing="full", micro_batch_size=2), "meta"),
+    (FsdpConfig(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP", transformer_layer_cls=LAYER, micro_batch_size=2), "cpu"),
+    (FsdpConfig(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP", transformer_layer_cls=LAYER, mixed_precision="fp16",
+                micro_batch_size=2), "cpu"),
+], ids=["fsdp2-full-bf16-ac-meta", "fsdp1-sgo-fp32-host", "fsdp2-sgo-fp16-host"])
+def test_python_module_needs_the_memory_its_trial_measured(cfg, built_on, tmp_path, forks):
+    from autotune.config import TrialRequest
+    from autotune.launcher import launch_trial
+
+    outcome = launch_trial(TrialRequest(fsdp=cfg, model="llama-tiny", seq_len=128, timed_steps=3), tmp_path / "trial",
+                           nproc=2, timeout_s=240, forks=forks)
+    assert outcome.result.status == "ok", outcome.log_path.read_text()[-3000:]
+    doc = export_doc(cfg)
+    (tmp_path / "fsdp_config.py").write_text(render(doc, "python")[0])
+    done = _torchrun(MEASURE_WITH_EXPORT, tmp_path, str(tmp_path), "128", built_on)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    applied = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("PEAKS")).split(" ", 1)[1])
+    measured = [m.tracked for m in outcome.result.rank_memory]
+    print("applied", applied, "measured", measured)
+    for a, m in zip(applied, measured):
+        assert abs(a - m) / m <= 0.10, (applied, measured)
 
 
 def test_export_command_writes_each_format_and_says_what_it_dropped(tmp_path):

@@ -48,7 +48,7 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
 
     start = time.perf_counter()
     mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes)
-    model = parallelize(built, request.fsdp, rank.device, mesh)
+    model = parallelize(built.module, built.layers, request.fsdp.to_dict(), rank.device, mesh)
     phases["wrap_s"] = time.perf_counter() - start
 
     measurement = measure(model, request, built.vocab_size, rank)

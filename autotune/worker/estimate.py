@@ -17,7 +17,6 @@ import gc
 import json
 import sys
 import time
-import traceback
 import warnings
 from typing import Any
 
@@ -27,10 +26,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autotune.config import FsdpConfig
-from autotune.worker.fsdp import build_mesh, parallelize
+from autotune.worker.fsdp import build_mesh, make_grad_scaler, parallelize
 from autotune.worker.measure import LiveStorageTracker
 from autotune.worker.models import build_model
-from autotune.worker.train import make_grad_scaler, train_step
+from autotune.worker.train import forward_loss, train_step
 
 METHOD = "fake_tensor_step"
 
@@ -83,6 +82,30 @@ class BreakdownTracker(LiveStorageTracker):
         return split
 
 
+def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler) -> None:
+    """``train_step`` as a fake tensor can run it.
+
+    The grad scaler's ``step`` and ``update`` read whether any gradient was
+    inf (a data-dependent ``.item()``), which fake tensors cannot answer. The
+    scaler's public pieces do the same work without that read: unscale (its
+    inverse scale, the found-inf flag and their all-reduce are counted), the
+    optimizer step a finite step takes, and the scale reset to a given value.
+    """
+    if scaler is None:
+        train_step(model, optimizer, tokens, scaler)
+        return
+    loss = forward_loss(model, tokens)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    optimizer.step()
+    scaler.update(new_scale=FP16_SCALE)
+    optimizer.zero_grad(set_to_none=True)
+
+
+# Any value will do: the scale is one float, whatever it holds.
+FP16_SCALE = 2.0**16
+
+
 def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig) -> dict[str, Any]:
     """Peak bytes per rank of one steady-state training step, and its breakdown."""
     if world_size % nnodes:
@@ -99,15 +122,15 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
     with FakeTensorMode(allow_non_fake_inputs=True):
         built = build_model(model, cfg.transformer_layer_cls, device="cpu")
         num_params = sum(p.numel() for p in built.module.parameters())
-        wrapped = parallelize(built, cfg, torch.device("cpu"), mesh)
+        wrapped = parallelize(built.module, built.layers, cfg.to_dict(), torch.device("cpu"), mesh)
         optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
         scaler = make_grad_scaler(cfg.mixed_precision, torch.device("cpu"))
         tokens = torch.randint(0, built.vocab_size, (cfg.micro_batch_size, seq_len))
         # The first step creates the optimizer state; the second is the steady state.
-        train_step(wrapped, optimizer, tokens, scaler)
+        fake_train_step(wrapped, optimizer, tokens, scaler)
         tracker = BreakdownTracker(wrapped, optimizer)
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t), tracker:
-            train_step(wrapped, optimizer, tokens, scaler)
+            fake_train_step(wrapped, optimizer, tokens, scaler)
     result = {"peak_bytes": tracker.peak_bytes, "breakdown": tracker.breakdown, "method": METHOD,
               "seconds": round(time.perf_counter() - start, 3),
               "num_params": num_params}

@@ -1,23 +1,25 @@
-"""Apply one :class:`FsdpConfig` to a model: activation checkpointing, then FSDP.
+"""Apply one FSDP configuration to a model: activation checkpointing, then FSDP, then real storage.
 
-The order is fixed, as in torchtitan's ``parallelize``: checkpoint wrappers go on
-first so that each FSDP unit is the (possibly checkpointed) block, and FSDP's
-all-gathers are re-issued inside the recomputation. Each ``apply_*`` step takes
-explicit arguments and can be read on its own.
+The order is fixed, as in torchtitan's ``parallelize``: checkpoint wrappers go
+on first so that each FSDP unit is the (possibly checkpointed) block, and
+FSDP's all-gathers are re-issued inside the recomputation. Each ``apply_*``
+step takes explicit arguments and can be read on its own; :func:`parallelize`
+calls them in order from a plain mapping of configuration fields.
+
+This file imports torch and nothing else: ``autotune export -f python`` ships
+it verbatim, so what a user applies is exactly what a trial measured.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autotune.config import FsdpConfig
-from autotune.worker.models import BuiltModel, init_module_weights, materialize
-
-# FsdpConfig.mixed_precision -> (param dtype, gradient reduce dtype); fp32 is None.
+# mixed_precision -> (param dtype, gradient reduce dtype); fp32 is None.
 PRECISION_DTYPES: dict[str, tuple[torch.dtype, torch.dtype] | None] = {
     "fp32": None,
     "bf16": (torch.bfloat16, torch.bfloat16),
@@ -26,14 +28,42 @@ PRECISION_DTYPES: dict[str, tuple[torch.dtype, torch.dtype] | None] = {
 }
 
 
-def parallelize(built: BuiltModel, cfg: FsdpConfig, device: torch.device, mesh: DeviceMesh) -> nn.Module:
-    """Return the FSDP-wrapped, initialized model for ``cfg`` over ``mesh`` (see :func:`build_mesh`)."""
-    blocks = apply_activation_checkpointing(built.module, built.layers, cfg.activation_checkpointing)
-    if cfg.fsdp_version == 1:
-        return apply_fsdp1(built.module, blocks, cfg, device, mesh)
-    apply_fsdp2(built.module, blocks, cfg, mesh)
-    materialize(built.module, torch.device("cpu") if cfg.cpu_offload else device)
-    return built.module
+def parallelize(
+    model: nn.Module,
+    layers: list[nn.Module],
+    config: Mapping[str, Any],
+    device: torch.device,
+    mesh: DeviceMesh,
+) -> nn.Module:
+    """Checkpoint, shard and materialize ``model`` as ``config`` says; returns the model to train.
+
+    ``config`` holds the fields of autotune's ``FsdpConfig`` (its ``to_dict()``).
+    ``layers`` are the repeated blocks in forward order. Parameters still on
+    the meta device get real storage only for this rank's shard, initialized
+    by the model's own init (transformers' ``_init_weights``, else each
+    module's ``reset_parameters``); tied parameters stay tied and buffers keep
+    the values they were built with.
+    """
+    on_meta = any(p.is_meta for p in model.parameters())
+    materializer = Materializer(model, torch.device("cpu") if config["cpu_offload"] and config["fsdp_version"] == 2 else device)
+    blocks = apply_activation_checkpointing(model, layers, config["activation_checkpointing"])
+    if config["fsdp_version"] == 1:
+        return apply_fsdp1(
+            model, blocks, device=device, mesh=mesh, param_init_fn=materializer.module,
+            sharding_strategy=config["sharding_strategy"], auto_wrap_policy=config["auto_wrap_policy"],
+            min_num_params=config["min_num_params"], mixed_precision=config["mixed_precision"],
+            backward_prefetch=config["backward_prefetch"], forward_prefetch=config["forward_prefetch"],
+            limit_all_gathers=config["limit_all_gathers"], cpu_offload=config["cpu_offload"],
+        )  # fmt: skip
+    apply_fsdp2(
+        model, blocks, mesh=mesh, reshard_after_forward=config["reshard_after_forward"],
+        mixed_precision=config["mixed_precision"], cpu_offload=config["cpu_offload"],
+        auto_wrap_policy=config["auto_wrap_policy"], min_num_params=config["min_num_params"],
+        forward_prefetch=config["forward_prefetch"],
+    )  # fmt: skip
+    if on_meta:
+        materializer.whole()
+    return model
 
 
 def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], mode: str) -> list[nn.Module]:
@@ -93,9 +123,22 @@ def build_mesh(device_type: str, strategy: str, world_size: int, nnodes: int) ->
 
 
 def apply_fsdp1(
-    model: nn.Module, blocks: list[nn.Module], cfg: FsdpConfig, device: torch.device, mesh: DeviceMesh
+    model: nn.Module,
+    blocks: list[nn.Module],
+    *,
+    device: torch.device,
+    mesh: DeviceMesh,
+    param_init_fn: Callable[[nn.Module], None],
+    sharding_strategy: str,
+    auto_wrap_policy: str,
+    min_num_params: int,
+    mixed_precision: str,
+    backward_prefetch: str,
+    forward_prefetch: bool,
+    limit_all_gathers: bool,
+    cpu_offload: bool,
 ) -> nn.Module:
-    """Wrap with ``FullyShardedDataParallel``, materializing each unit's meta parameters."""
+    """Wrap with ``FullyShardedDataParallel``; ``param_init_fn`` gives each unit's meta tensors storage."""
     from torch.distributed.fsdp import (
         BackwardPrefetch,
         CPUOffload,
@@ -105,78 +148,84 @@ def apply_fsdp1(
     )
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy, size_based_auto_wrap_policy
 
-    if cfg.auto_wrap_policy == "transformer_layer":
+    if auto_wrap_policy == "transformer_layer":
         # Wrap exactly the blocks (the checkpoint wrapper where there is one),
         # so FSDP1 and FSDP2 shard the same units.
         unit_ids = {id(b) for b in blocks}
         policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in unit_ids)
-    elif cfg.auto_wrap_policy == "size_based":
-        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
+    elif auto_wrap_policy == "size_based":
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params)
     else:
         policy = None
-    dtypes = PRECISION_DTYPES[cfg.mixed_precision]
-    mixed = None if dtypes is None else MixedPrecision(param_dtype=dtypes[0], reduce_dtype=dtypes[1], buffer_dtype=dtypes[0])
-    prefetch = None if cfg.backward_prefetch == "none" else BackwardPrefetch[cfg.backward_prefetch]
-    init_device = torch.device("cpu") if cfg.cpu_offload else device
-
-    def param_init_fn(module: nn.Module) -> None:
-        # FSDP1 hands over one module at a time, before flattening it into a unit.
-        module.to_empty(device=init_device, recurse=False)
-        init_module_weights(module, owner=model, recurse=False)
-
+    dtypes = PRECISION_DTYPES[mixed_precision]
+    # Buffers keep their own dtype (buffer_dtype=None), as under FSDP2: a rotary
+    # inv_freq cast to bf16 would make the two versions compute differently.
+    mixed = None if dtypes is None else MixedPrecision(param_dtype=dtypes[0], reduce_dtype=dtypes[1], buffer_dtype=None)
+    prefetch = None if backward_prefetch == "none" else BackwardPrefetch[backward_prefetch]
     return FullyShardedDataParallel(
         model,
         auto_wrap_policy=policy,
-        sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
+        sharding_strategy=ShardingStrategy[sharding_strategy],
         mixed_precision=mixed,
-        cpu_offload=CPUOffload(offload_params=cfg.cpu_offload),
+        # With offload, units are still initialized on the device (fast,
+        # parallel) and FSDP moves the shards to the host after sharding.
+        cpu_offload=CPUOffload(offload_params=cpu_offload),
         backward_prefetch=prefetch,
-        forward_prefetch=cfg.forward_prefetch,
-        limit_all_gathers=cfg.limit_all_gathers,
+        forward_prefetch=forward_prefetch,
+        limit_all_gathers=limit_all_gathers,
         use_orig_params=True,
         device_id=device,
-        device_mesh=mesh if mesh.ndim == 2 and cfg.is_hybrid else None,
+        device_mesh=mesh if mesh.ndim == 2 and sharding_strategy.startswith("HYBRID") else None,
         param_init_fn=param_init_fn,
         sync_module_states=False,
     )
 
 
-def apply_fsdp2(model: nn.Module, blocks: list[nn.Module], cfg: FsdpConfig, mesh: DeviceMesh) -> None:
+def apply_fsdp2(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    mixed_precision: str,
+    cpu_offload: bool,
+    auto_wrap_policy: str,
+    min_num_params: int,
+    forward_prefetch: bool,
+) -> None:
     """Shard with ``fully_shard``: the chosen units first, then the root."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    dtypes = PRECISION_DTYPES[cfg.mixed_precision]
+    dtypes = PRECISION_DTYPES[mixed_precision]
     kwargs = dict(
         mesh=mesh,
-        reshard_after_forward=cfg.reshard_after_forward,
+        reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy() if dtypes is None else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
-        offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
-    if cfg.auto_wrap_policy == "transformer_layer":
+    if auto_wrap_policy == "transformer_layer":
         units = list(blocks)
-    elif cfg.auto_wrap_policy == "size_based":
-        units = _size_based_units(model, cfg.min_num_params)
+    elif auto_wrap_policy == "size_based":
+        units = _size_based_units(model, min_num_params)
     else:
         units = []
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
-    apply_fsdp2_prefetch(units, cfg.forward_prefetch, cfg.backward_prefetch)
+    apply_fsdp2_prefetch(units, forward_prefetch)
 
 
-def apply_fsdp2_prefetch(units: list[nn.Module], forward: bool, backward: str) -> None:
+def apply_fsdp2_prefetch(units: list[nn.Module], forward: bool) -> None:
     """Explicit prefetching between consecutive units, one ahead.
 
     Forward prefetch issues unit i+1's all-gather when unit i starts. Backward
     prefetch of the previous unit matches FSDP2's default; setting it explicitly
     keeps it when units are not run in their registration order.
     """
-    if len(units) < 2:
-        return
     for i, unit in enumerate(units):
         if forward and i + 1 < len(units):
             unit.set_modules_to_forward_prefetch([units[i + 1]])
-        if backward == "BACKWARD_PRE" and i > 0:
+        if i > 0:
             unit.set_modules_to_backward_prefetch([units[i - 1]])
 
 
@@ -199,3 +248,106 @@ def _size_based_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
 
     visit(model)
     return units
+
+
+class Materializer:
+    """Give a meta-device model real storage on ``device``, shard by shard.
+
+    ``Module.to_empty`` alone loses two things, which this keeps:
+
+    - ties: moving a meta parameter makes a new Parameter, so a weight shared
+      by two modules (tied embeddings) becomes two when FSDP1 materializes
+      one module at a time; the second module is given the first's;
+    - buffer values: ``to_empty`` leaves garbage in every buffer, and no init
+      function recomputes a buffer the model computed in its constructor (a
+      rotary ``inv_freq``, a mask); their values are taken before wrapping and
+      put back after.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self._replacement: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {
+            (id(module), name): buffer.detach().clone()
+            for module in model.modules()
+            for name, buffer in module.named_buffers(recurse=False)
+            if buffer is not None and not buffer.is_meta
+        }
+
+    @torch.no_grad()
+    def module(self, module: nn.Module) -> None:
+        """One module's own tensors (FSDP1's ``param_init_fn`` hands them over one module at a time)."""
+        before = dict(module.named_parameters(recurse=False, remove_duplicate=False))
+        module.to_empty(device=self.device, recurse=False)
+        for name, old in before.items():
+            if id(old) in self._replacement:
+                module.register_parameter(name, self._replacement[id(old)][1])
+            else:
+                # The old meta parameter is kept alive so that its id is not reused.
+                self._replacement[id(old)] = (old, module.get_parameter(name))
+        init_weights(module, self.model, recurse=False)
+        self._restore_buffers(module, recurse=False)
+
+    @torch.no_grad()
+    def whole(self) -> None:
+        """Every tensor of the model, after FSDP2 sharded it (DTensor parameters are
+        swapped in place, so ties hold)."""
+        self.model.to_empty(device=self.device)
+        init_weights(self.model, self.model)
+        self._restore_buffers(self.model)
+
+    def _restore_buffers(self, root: nn.Module, recurse: bool = True) -> None:
+        for module in root.modules() if recurse else [root]:
+            for name, buffer in module.named_buffers(recurse=False):
+                kept = self._buffers.get((id(module), name))
+                if kept is not None and buffer is not None:
+                    buffer.copy_(kept.to(buffer.dtype))
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, owner: nn.Module, recurse: bool = True) -> None:
+    """Initialize ``module``'s parameters (its own only, without ``recurse``).
+
+    ``owner`` is the whole model: a transformers model's ``_init_weights``
+    decides every submodule's values; other models fall back to each
+    submodule's ``reset_parameters``.
+    """
+    targets = module.modules() if recurse else [module]
+    for sub in targets:
+        if hasattr(owner, "_init_weights"):
+            owner._init_weights(sub)
+        elif hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+
+
+def make_grad_scaler(mixed_precision: str, device: torch.device):
+    """fp16 gradients underflow without loss scaling; the sharded scaler agrees on
+    inf/nan across ranks, so every rank skips the same steps. None otherwise."""
+    if mixed_precision != "fp16":
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device=device.type)
+
+
+def find_layers(model: nn.Module, class_names: tuple[str, ...] | list[str]) -> list[nn.Module]:
+    """The repeated blocks, in forward (registration) order."""
+    return [m for m in model.modules() if type(m).__name__ in class_names]
+
+
+def apply_tuned(
+    model: nn.Module, config: Mapping[str, Any], device: torch.device | None = None, nnodes: int = 1
+) -> nn.Module:
+    """Apply ``config`` to a model of the user's, inside an initialized process group.
+
+    A model on the meta device is materialized shard by shard, as in a trial; a
+    model with real weights on the host is sharded first, and only each
+    rank's shard moves to ``device``.
+    """
+    import torch.distributed as dist
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mesh = build_mesh(device.type, config["sharding_strategy"], dist.get_world_size(), nnodes)
+    return parallelize(model, find_layers(model, config["transformer_layer_cls"]), config, device, mesh)

@@ -1,20 +1,26 @@
-"""Build the model a trial trains, on the meta device, and initialize it after sharding.
+"""Build the model a trial trains, with its parameters on the meta device.
 
-Every rank builds the model on the meta device, so no rank ever holds the whole
-model: a 70B configuration can be measured on 80 GB GPUs, which DeepSpeed's
-profiling run cannot always do. Weights are random and nothing is downloaded.
+Every rank builds the model's parameters on the meta device, so no rank ever
+holds the whole model: a 70B configuration can be measured on 80 GB GPUs,
+which DeepSpeed's profiling run cannot always do. Buffers are built for real
+(they are small, and only the constructor knows their values);
+:class:`autotune.worker.fsdp.Materializer` gives each rank's shard storage
+after wrapping. Weights are random and nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from autotune.presets import PRESETS, ModelSpec, parse_model_spec
+from autotune.worker.fsdp import find_layers
 
 
 @dataclass
@@ -51,16 +57,41 @@ def _causal_lm_class(config):
     return AutoModelForCausalLM._model_mapping[type(config)]
 
 
-def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str = "meta") -> BuiltModel:
-    """Build ``model`` (preset, config.json path or ``module:function``) on ``device``.
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered meanwhile lands on the meta device; buffers stay real.
 
+    ``torch.device("meta")`` would put buffers on meta too, and the values the
+    constructor computed for them (rotary frequencies, masks) would be lost.
+    A parameter is moved as it is registered, before its module initializes
+    it, so its host storage (``torch.empty``, never touched) costs nothing.
+    """
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or param.is_meta:
+            return None
+        return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str = "meta") -> BuiltModel:
+    """Build ``model`` (preset, config.json path or ``module:function``).
+
+    ``device="meta"`` puts its parameters on the meta device and keeps its
+    buffers real (see :func:`parameters_on_meta`); any other device builds
+    everything there: the estimator builds on "cpu" inside FakeTensorMode,
+    fake tensors that FSDP1 can flatten, which meta tensors it cannot swap.
     ``layer_cls_names`` names the repeated block; empty means the model's
     ``_no_split_modules``. A ValueError names a class the model does not have.
-    The estimator builds on "cpu" inside FakeTensorMode: fake tensors that
-    FSDP1 can flatten, which meta tensors it cannot swap.
     """
     spec = parse_model_spec(model)
-    with torch.device(device):
+    with parameters_on_meta() if device == "meta" else torch.device(device):
         if spec.kind == "factory":
             module_name, _, function_name = spec.value.partition(":")
             module = getattr(importlib.import_module(module_name), function_name)()
@@ -84,36 +115,5 @@ def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str =
             f"{model} has no module class {missing[0]!r}; classes it has include "
             f"{sorted(c for c in present if 'Layer' in c or 'Block' in c) or sorted(present)[:10]}"
         )
-    layers = [m for m in module.modules() if type(m).__name__ in names]
+    layers = find_layers(module, names)
     return BuiltModel(module=module, vocab_size=int(vocab_size), layers=layers, layer_classes=names)
-
-
-@torch.no_grad()
-def materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate the (sharded) parameters on ``device`` and give them real initial values.
-
-    Runs after FSDP2 has sharded the model, so each rank initializes only its
-    shard. transformers models use their own ``_init_weights`` (which also
-    recomputes rotary buffers); other modules use ``reset_parameters``.
-    """
-    module.to_empty(device=device)
-    init_module_weights(module)
-
-
-@torch.no_grad()
-def init_module_weights(module: nn.Module, owner: nn.Module | None = None, recurse: bool = True) -> None:
-    """Initialize ``module``'s parameters and buffers (its own only, without ``recurse``).
-
-    ``owner`` is the whole model: a transformers model's ``_init_weights``
-    decides every submodule's values, rotary buffers included; other models
-    fall back to each submodule's ``reset_parameters``.
-    """
-    from transformers import PreTrainedModel
-
-    owner = owner if owner is not None else module
-    targets = module.modules() if recurse else [module]
-    for sub in targets:
-        if isinstance(owner, PreTrainedModel):
-            owner._init_weights(sub)
-        elif hasattr(sub, "reset_parameters"):
-            sub.reset_parameters()

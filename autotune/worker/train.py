@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autotune.config import ABORT_CHECK_STEPS, RankMemory, TrialRequest
+from autotune.worker.fsdp import make_grad_scaler
 from autotune.worker.measure import LiveStorageTracker, relative_ci95
 from autotune.worker.runtime import Rank, synchronize
 
@@ -30,19 +31,14 @@ def make_batch(vocab_size: int, micro_batch_size: int, seq_len: int, device: tor
     return torch.randint(0, vocab_size, (micro_batch_size, seq_len), generator=generator).to(device)
 
 
-def make_grad_scaler(mixed_precision: str, device: torch.device):
-    """fp16 gradients underflow without loss scaling; the sharded scaler agrees on
-    inf/nan across ranks, so every rank skips the same steps."""
-    if mixed_precision != "fp16":
-        return None
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    return ShardedGradScaler(device=device.type)
+def forward_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The language-modelling loss, from a transformers output or a bare loss."""
+    output = model(input_ids=tokens, labels=tokens)
+    return output.loss if hasattr(output, "loss") else output
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler) -> torch.Tensor:
-    output = model(input_ids=tokens, labels=tokens)
-    loss = output.loss if hasattr(output, "loss") else output
+    loss = forward_loss(model, tokens)
     if scaler is None:
         loss.backward()
         optimizer.step()
@@ -94,7 +90,7 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
     phase_start = time.perf_counter()
     # The first step allocates optimizer state, so memory is measured on a
     # later one; it is untimed anyway, and so serves as a warm-up step too.
-    for _ in range(max(request.warmup_steps, 2) - 1):
+    for _ in range(request.warmup_steps - 1):
         loss = step()
         if result.loss_first is None:
             result.loss_first = float(loss.item())
