@@ -11,7 +11,8 @@ import json
 import sys
 from typing import Sequence
 
-from autotune import __version__
+from autotune import __version__, interrupts
+from autotune.config import MIN_WARMUP_STEPS
 from autotune.errors import UsageError
 from autotune.storage import DEFAULT_STORAGE
 
@@ -24,14 +25,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
-    return value
+def _at_least(minimum: int, why: str = ""):
+    """An argparse type: a whole number no smaller than ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} must be at least {minimum}{why}")
+        return value
+
+    return parse
+
+
+_positive_int = _at_least(1)
 
 
 def parse_slot(text: str, device_count: int) -> tuple[int, ...]:
@@ -101,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=_positive_int, default=None,
                      help="ranks per trial (default: the number of visible GPUs, or 2 on a host with none)")
     run.add_argument("--seq-len", type=_positive_int, default=None,
-                     help="tokens per sample (default: 256 for llama-tiny, else 2048)")
+                     help="tokens per sample, at most the model's position limit (default: 256 for llama-tiny, else 2048, "
+                          "cut to the model's position limit)")
     run.add_argument("--space", default="default",
                      help="search space YAML file, or a built-in name: default, smoke (default: default)")
     run.add_argument("--trials", type=_positive_int, default=DEFAULT_TRIALS,
@@ -113,9 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--storage", default=DEFAULT_STORAGE,
                      help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
     run.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the synthetic data (default: 0)")
-    run.add_argument("--warmup-steps", type=_positive_int, default=2,
-                     help="untimed steps before timing; the last one, never the first, also measures peak memory "
-                          "(default: 2)")
+    run.add_argument("--warmup-steps", type=_at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory"), default=MIN_WARMUP_STEPS,
+                     help=f"untimed steps before timing, at least {MIN_WARMUP_STEPS}: the first allocates optimizer "
+                          f"state, the last measures peak memory (default: {MIN_WARMUP_STEPS})")
     run.add_argument("--timed-steps", type=_positive_int, default=10,
                      help="most timed steps per trial; tokens/s uses their median step time (default: 10)")
     run.add_argument("--timing-ci", type=_fraction, default=0.02, metavar="FRACTION",
@@ -196,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from autotune.host import probe
-    from autotune.presets import default_seq_len, parse_model_spec
+    from autotune.presets import choose_seq_len, parse_model_spec
     from autotune.space import load_space
     from autotune.storage import check_storage_url
     from autotune.units import parse_memory
@@ -210,13 +220,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     if nproc > host.device_count:
         what = f"{host.cuda_device_count} GPUs" if host.device_type == "cuda" else f"{host.cpu_count} CPU cores and no GPU"
         raise UsageError(f"--nproc {nproc}: this host has {what}; use --nproc {host.device_count} or fewer")
-    seq_len = args.seq_len or default_seq_len(spec)
+    seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
+    if seq_note and not args.quiet:
+        print(f"autotune run: {seq_note}", file=sys.stderr)
     slots = tuple(parse_slot(text, host.device_count) for text in args.devices)
     if host.device_type == "cuda":
         small = next((slot for slot in slots if len(slot) < nproc), None)
         if small is not None:
             raise UsageError(f"--devices {','.join(map(str, small))}: a slot needs at least --nproc {nproc} GPUs")
 
+    from autotune.storage import mask_url, prepare_storage
     from autotune.study import RunSettings, check_resumable, default_study_name, run_study
     from autotune.summary import summarize
 
@@ -243,15 +256,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         use_estimate=not args.no_estimate,
     )
     check_resumable(settings)
+    prepare_storage(settings.storage_url)
     if not args.quiet:
         print(
             f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "
             f"on {nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {seq_len}, "
-            f"budget {budget_text} per rank; study {settings.study_name} in {settings.storage_url}",
+            f"budget {budget_text} per rank; study {settings.study_name} in {mask_url(settings.storage_url)}",
             file=sys.stderr,
         )
-    study, tuner, elapsed = run_study(settings, host, model)
-    return summarize(study, tuner, settings, elapsed)
+    run = run_study(settings, host, model)
+    if run.interrupted is not None:
+        print(f"Interrupted by {run.interrupted.name}: the trial in progress was stopped and queued to run again; "
+              "rerun the same command to resume. The study so far:")
+    code = summarize(run.study, run.tuner, settings, run.elapsed_s)
+    return run.interrupted.exit_code if run.interrupted is not None else code
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -259,7 +277,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     from autotune.estimate import EstimatorClient, default_margin
     from autotune.host import probe
-    from autotune.presets import default_seq_len, parse_model_spec
+    from autotune.presets import choose_seq_len, parse_model_spec
     from autotune.space import load_space
     from autotune.tables import format_table
     from autotune.units import format_bytes, parse_memory
@@ -270,7 +288,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.nproc % args.nnodes:
         raise UsageError(f"--nproc {args.nproc} is not a multiple of --nnodes {args.nnodes}; give ranks that the nodes share evenly")
     _, model = probe(args.model, tuple(args.wrap_class))
-    seq_len = args.seq_len or default_seq_len(spec)
+    seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
+    if seq_note:
+        print(f"autotune estimate: {seq_note}", file=sys.stderr)
     configs = [c for c in space.enumerate(model.layer_classes) if not (c.is_hybrid and args.nnodes < 2)]
     limit = args.limit or (len(configs) if len(configs) <= 64 else 64)
     if limit < len(configs):
@@ -389,7 +409,9 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     study = _open_study(args) if args.study_name else None
     if study is not None:
         update_study_note(study)
-    print(f"optuna-dashboard on {args.storage}: http://{args.host}:{args.port}/dashboard/ (Ctrl-C stops it)", flush=True)
+    from autotune.storage import mask_url
+
+    print(f"optuna-dashboard on {mask_url(args.storage)}: http://{args.host}:{args.port}/dashboard/ (Ctrl-C stops it)", flush=True)
     serve(args.storage, args.host, args.port)
     return 0
 
@@ -400,7 +422,9 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     from autotune.config import ConfigError, TrialRequest
     from autotune.export import SCHEMA, request_from_export
+    from autotune.host import probe
     from autotune.launcher import launch_trial
+    from autotune.locks import device_slot
 
     try:
         doc = json.loads(Path(args.file).read_text())
@@ -413,8 +437,13 @@ def cmd_measure(args: argparse.Namespace) -> int:
     except (OSError, json.JSONDecodeError, ConfigError, KeyError, TypeError) as exc:
         raise UsageError(f"{args.file}: not an exported configuration or trial config ({exc})") from None
     trial_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="autotune-measure-"))
-    device_type = "cuda" if request.device == "cuda" else "cpu"
-    outcome = launch_trial(request, trial_dir, nproc, args.trial_timeout, device_type)
+    host, _ = probe(request.model, request.fsdp.transformer_layer_cls)
+    if nproc > host.device_count:
+        raise UsageError(f"--nproc {nproc}: this host has {host.device_count} {'GPUs' if host.device_type == 'cuda' else 'CPU cores'}; "
+                         f"use --nproc {host.device_count} or fewer")
+    # Held like a trial's: a tuner on this host does not time its trials meanwhile.
+    with device_slot(host.device_type, [tuple(range(host.device_count))]) as slot:
+        outcome = launch_trial(request, trial_dir, nproc, args.trial_timeout, host.device_type, devices=slot)
     result = outcome.result
     print(json.dumps({"status": result.status, "tokens_per_s": result.tokens_per_s, "peak_memory_bytes": result.peak_memory_bytes,
                       "step_time_cv": result.step_time_cv, "wall_s": round(outcome.wall_s, 2), "trial_dir": str(trial_dir),
@@ -430,6 +459,9 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("run", "measure"):
+        # Both launch torchrun jobs: SIGTERM must stop them as Ctrl-C does.
+        interrupts.install()
     try:
         return COMMANDS[args.command](args)
     except UsageError as exc:
@@ -439,9 +471,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Output piped into head or less that closed early: not an error.
         sys.stderr.close()
         return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted: every finished trial is saved; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        # Before a study exists, or in a command with nothing to keep.
+        code = exc.exit_code if isinstance(exc, interrupts.Interrupted) else 130
+        name = exc.name if isinstance(exc, interrupts.Interrupted) else "SIGINT"
+        print(f"\nautotune {args.command}: interrupted by {name}; every finished trial is saved, "
+              "rerun the same command to resume", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

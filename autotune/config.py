@@ -200,6 +200,10 @@ class FsdpConfig:
         return " ".join(parts)
 
 
+# Untimed steps before timing: the first allocates optimizer state, the last
+# (never the first) measures peak memory.
+MIN_WARMUP_STEPS = 2
+
 # A trial given ``abort_below_tokens_per_s`` is judged after this many timed
 # steps: the worker stops there, and replays of a measured table charge that many.
 ABORT_CHECK_STEPS = 2
@@ -238,10 +242,10 @@ class TrialRequest:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         _check_type("warmup_steps", self.warmup_steps, int)
-        if self.warmup_steps < 1:
+        if self.warmup_steps < MIN_WARMUP_STEPS:
             raise ConfigError(
-                f"warmup_steps={self.warmup_steps} must be at least 1: the first step "
-                "allocates optimizer state and is never representative"
+                f"warmup_steps={self.warmup_steps} must be at least {MIN_WARMUP_STEPS}: the first step allocates "
+                "optimizer state and is never representative, and the last measures memory"
             )
         _check_type("seed", self.seed, int)
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
@@ -322,17 +326,24 @@ class TrialResult:
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write JSON so that a reader sees the old file or the whole new one, never half.
+    """Write JSON so that a reader sees the old file or the whole new one, never half."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
-    A killed writer leaves at most a stray temporary file, not a truncated result.
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` so that a reader sees the old file or the whole new one, never half.
+
+    The temporary file has a name of its own, so two writers of one path never
+    collide; a killed writer leaves at most a stray temporary file.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file private; exports and results are for sharing.
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

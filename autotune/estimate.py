@@ -16,9 +16,11 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from autotune import interrupts
 from autotune.config import FsdpConfig
 from autotune.lifeline import die_with_parent
 
@@ -28,6 +30,8 @@ CUDA_MARGIN_BYTES = int(1.5 * 2**30)
 CUDA_MARGIN_FACTOR = 1.10
 # Calibrate from the study only once it has this many measured trials.
 MIN_CALIBRATION_TRIALS = 3
+# How often a waiting estimate looks for a stop request from another thread.
+POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,13 @@ class EstimatorClient:
                 proc.stdin.flush()
             except (BrokenPipeError, OSError) as exc:
                 return {"error": f"the estimator process failed: {exc}"}
-            ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s)
+            try:
+                ready = self._wait_for_answer(proc)
+            except BaseException:
+                # Interrupted mid-estimate: the server cannot be asked anything
+                # else until it answers, which may take a minute.
+                self._kill()
+                raise
             if not ready:
                 self._kill()
                 return {"error": f"no estimate within {self.timeout_s:.0f}s; abandoned"}
@@ -105,6 +115,17 @@ class EstimatorClient:
         if not line:
             return {"error": "the estimator process exited"}
         return json.loads(line)
+
+    def _wait_for_answer(self, proc: subprocess.Popen) -> bool:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            interrupts.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready, _, _ = select.select([proc.stdout], [], [], min(POLL_S, left))
+            if ready:
+                return True
 
     def _kill(self) -> None:
         # The server and the child it forked for the estimate share a session.

@@ -9,14 +9,13 @@ measurement can be repeated from the file alone.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
-from pathlib import Path
 from typing import Any
 
 from autotune import __version__
-from autotune.config import FsdpConfig, TrialRequest
+from autotune.config import FsdpConfig, TrialRequest, write_text_atomic
+from autotune.storage import mask_url
 
 SCHEMA = "autotune.fsdp-config/v1"
 
@@ -44,7 +43,7 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
             "device_name": attrs.get("device_name"),
         },
         "budget": {"memory_bytes": identity.get("budget_bytes"), "text": study.user_attrs.get("budget")},
-        "study": {"name": study.study_name, "storage": storage_url, "trial_number": trial.number},
+        "study": {"name": study.study_name, "storage": mask_url(storage_url), "trial_number": trial.number},
         "environment": {
             "autotune_version": __version__,
             "torch_version": attrs.get("torch_version") or host.get("torch_version"),
@@ -73,8 +72,4 @@ def write_text(text: str, output: str | None) -> None:
     if output in (None, "-"):
         sys.stdout.write(text)
         return
-    path = Path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_atomic(output, text)

@@ -19,6 +19,8 @@ class ModelInfo:
     num_layers: int
     vocab_size: int
     class_name: str
+    # The longest sequence the model's position embeddings cover; None when it declares none.
+    max_positions: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300) 
         num_layers=model_data["num_layers"],
         vocab_size=model_data["vocab_size"],
         class_name=model_data["class_name"],
+        max_positions=model_data.get("max_positions"),
     )
 
 

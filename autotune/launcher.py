@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from autotune import interrupts
 from autotune.config import TrialRequest, TrialResult, write_json_atomic
 from autotune.forkserver import ForkedProcess, ForkServer, spawn
 from autotune.lifeline import die_with_parent
@@ -151,6 +152,29 @@ def start_torchrun(
     )
 
 
+# How often a waiting launch looks for a stop request from another thread.
+POLL_S = 0.25
+
+
+def wait_or_interrupt(proc: subprocess.Popen | ForkedProcess, timeout_s: float) -> bool:
+    """Wait for ``proc`` to end; False when ``timeout_s`` passed first.
+
+    In the main thread a signal interrupts the wait by itself; in a slot's
+    thread the stop request is polled.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        interrupts.check()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            proc.wait(timeout=min(POLL_S, left))
+            return True
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def launch_trial(
     request: TrialRequest,
     trial_dir: Path,
@@ -172,16 +196,11 @@ def launch_trial(
         proc = start_torchrun(torchrun_command(nproc, config_path, trial_dir), log,
                               _trial_env(nproc, device_type, devices), device_type, devices, forks)
         try:
-            proc.wait(timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        except BaseException:
-            # Ctrl-C or any other interruption of the driver stops the job too.
-            kill_process_tree(proc)
-            raise
+            timed_out = not wait_or_interrupt(proc, timeout_s)
         finally:
-            if proc.poll() is None or timed_out:
+            # A timeout, Ctrl-C, SIGTERM or any other interruption of the
+            # driver stops the whole job.
+            if proc.poll() is None:
                 kill_process_tree(proc)
     wall_s = time.perf_counter() - start
     result = classify(trial_dir, proc.returncode, timed_out, timeout_s, log_path)

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from autotune import interrupts
+
 POLL_S = 0.5
 
 
@@ -75,6 +77,7 @@ def device_slot(
         if not waited and on_wait is not None:
             on_wait()
             waited = True
+        interrupts.check()
         time.sleep(POLL_S)
 
 

@@ -144,3 +144,24 @@ def parse_model_spec(value: str) -> ModelSpec:
 
 def default_seq_len(spec: ModelSpec) -> int:
     return PRESET_SEQ_LEN.get(spec.value, DEFAULT_SEQ_LEN) if spec.kind == "preset" else DEFAULT_SEQ_LEN
+
+
+def choose_seq_len(spec: ModelSpec, requested: int | None, max_positions: int | None) -> tuple[int, str | None]:
+    """The sequence length to tune at, and a note when the default was shortened.
+
+    A model cannot index positions past its limit: every trial would crash
+    with an IndexError, so an explicit ``--seq-len`` above it is refused and
+    the default is cut down to it.
+    """
+    if requested is not None:
+        if max_positions is not None and requested > max_positions:
+            raise UsageError(
+                f"--seq-len {requested} is longer than the model's position limit of {max_positions} tokens; "
+                f"use --seq-len {max_positions} or less"
+            )
+        return requested, None
+    default = default_seq_len(spec)
+    if max_positions is not None and max_positions < default:
+        return max_positions, (f"seq len {max_positions}: the model's position limit, below the default {default} "
+                               "(--seq-len sets it)")
+    return default, None

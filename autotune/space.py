@@ -22,7 +22,18 @@ from autotune import config as vocab
 from autotune.config import FsdpConfig
 from autotune.errors import UsageError
 
-SEARCH_SPACES_DIR = Path(__file__).resolve().parent.parent / "search_spaces"
+
+
+def builtin_spaces_dir() -> Path:
+    """Where the built-in spaces are: the package ``autotune.search_spaces``
+    when installed (a wheel, or an editable install mapping it to the
+    repository's ``search_spaces/``), else that folder of a source checkout."""
+    try:
+        from importlib.resources import files
+
+        return Path(str(files("autotune.search_spaces")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "search_spaces"
 
 
 @dataclass(frozen=True)
@@ -119,7 +130,7 @@ def resolve_space_path(value: str) -> Path:
     path = Path(value)
     if path.suffix in (".yaml", ".yml") or path.exists():
         return path
-    return SEARCH_SPACES_DIR / f"{value}.yaml"
+    return builtin_spaces_dir() / f"{value}.yaml"
 
 
 def _check_value(path: str, dim: Dimension, value: Any) -> None:
@@ -168,7 +179,7 @@ def load_space(value: str) -> SearchSpace:
     except FileNotFoundError:
         raise UsageError(
             f"--space {value}: no such file; give a YAML path or a built-in name "
-            f"({', '.join(sorted(p.stem for p in SEARCH_SPACES_DIR.glob('*.yaml')))})"
+            f"({', '.join(sorted(p.stem for p in builtin_spaces_dir().glob('*.yaml')))})"
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--space {value}: cannot read it ({exc})") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,20 @@ DEFAULT_STORAGE = "sqlite:///studies/autotune.db"
 SQLITE_LOCK_TIMEOUT_S = 120
 HEARTBEAT_INTERVAL_S = 30
 HEARTBEAT_GRACE_S = 120
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ``***``: what every output shows,
+    since exports and logs get committed and shared."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        # Unparseable: still never print what looks like user:password@.
+        return re.sub(r"(//[^/:@]*:)[^@/]*@", r"\1***@", url)
+    return parsed.render_as_string(hide_password=True) if parsed.password else url
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -33,7 +48,11 @@ def sqlite_path(url: str) -> Path | None:
 
 
 def check_storage_url(url: str, create_dirs: bool) -> None:
-    """Refuse a URL that cannot work, before anything is written anywhere."""
+    """Refuse a URL that cannot work, before anything is written anywhere.
+
+    ``create_dirs`` allows a missing folder of a SQLite file (the default
+    ``studies/``); :func:`prepare_storage` makes it once every check passed.
+    """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
@@ -42,8 +61,14 @@ def check_storage_url(url: str, create_dirs: bool) -> None:
         parsed.get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:
         raise UsageError(
-            f"--storage {url}: not a usable SQLAlchemy URL ({exc}); e.g. {DEFAULT_STORAGE}"
+            f"--storage {mask_url(url)}: not a usable SQLAlchemy URL ({exc}); e.g. {DEFAULT_STORAGE}"
         ) from None
+    try:
+        parsed.get_dialect().import_dbapi()
+    except ImportError as exc:
+        extra = "pip install 'autotune[postgres]'" if parsed.get_backend_name() == "postgresql" else \
+            f"install the Python driver for {parsed.drivername}"
+        raise UsageError(f"--storage {mask_url(url)}: its database driver is not installed ({exc}); {extra}") from None
     path = sqlite_path(url)
     if path is None:
         return
@@ -51,10 +76,17 @@ def check_storage_url(url: str, create_dirs: bool) -> None:
     if not folder.exists():
         if not create_dirs:
             raise UsageError(f"--storage {url}: folder {folder} does not exist; create it or choose another path")
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = next(p for p in folder.parents if p.exists())
     target = path if path.exists() else folder
     if not os.access(target, os.W_OK):
         raise UsageError(f"--storage {url}: {target} is not writable; choose a path you can write to")
+
+
+def prepare_storage(url: str) -> None:
+    """Make the folder of a SQLite file that :func:`check_storage_url` allowed to be missing."""
+    path = sqlite_path(url)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
 
 
 def open_storage(url: str, heartbeat: bool = False) -> Any:
@@ -100,13 +132,36 @@ def _storage_lock_path(url: str) -> Path:
     return lock_dir() / f"storage-{hashlib.sha256(url.encode()).hexdigest()[:16]}.lock"
 
 
+def _deferring_interrupts(base: type) -> type:
+    """A subclass of ``base`` whose every public method is one critical section
+    (:func:`autotune.interrupts.critical`): Ctrl-C or SIGTERM never lands
+    inside SQLAlchemy, where it could strand a connection that holds a lock."""
+    import functools
+    import inspect
+    import types
+
+    from autotune import interrupts
+
+    def deferring(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            with interrupts.critical():
+                return method(self, *args, **kwargs)
+
+        return call
+
+    methods = {name: deferring(getattr(base, name)) for name in dir(base)
+               if not name.startswith("_") and isinstance(inspect.getattr_static(base, name), types.FunctionType)}
+    return type(f"Deferring{base.__name__}", (base,), methods)
+
+
 def _storage_class() -> type:
     from optuna.storages import RDBStorage
     from optuna.trial import TrialState
 
     from autotune.locks import exclusive
 
-    class HostSerializedRDBStorage(RDBStorage):
+    class HostSerializedRDBStorage(_deferring_interrupts(RDBStorage)):
         """RDBStorage whose WAITING -> RUNNING step is atomic across threads and processes.
 
         Optuna takes an enqueued trial by reading that it is WAITING and writing
@@ -145,12 +200,12 @@ def resolve_study_name(url: str, name: str | None) -> str:
     if name is not None:
         if name not in names:
             known = ", ".join(names) if names else "none"
-            raise UsageError(f"--study-name {name}: no such study in {url} (studies there: {known})")
+            raise UsageError(f"--study-name {name}: no such study in {mask_url(url)} (studies there: {known})")
         return name
     if not names:
-        raise UsageError(f"no study in {url}; run 'autotune run --mem-budget ...' first, or pass --storage")
+        raise UsageError(f"no study in {mask_url(url)}; run 'autotune run --mem-budget ...' first, or pass --storage")
     if len(names) > 1:
-        raise UsageError(f"{url} holds {len(names)} studies; choose one with --study-name ({', '.join(names)})")
+        raise UsageError(f"{mask_url(url)} holds {len(names)} studies; choose one with --study-name ({', '.join(names)})")
     return names[0]
 
 

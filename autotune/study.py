@@ -10,6 +10,8 @@ imports torch: trials run in torchrun subprocesses.
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import sys
 import threading
@@ -21,6 +23,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune import interrupts
 from autotune.config import FsdpConfig, TrialRequest, TrialResult
 from autotune.errors import UsageError
 from autotune.forkserver import ForkServer
@@ -41,6 +44,10 @@ ABORT_FACTOR = 2.0
 # Stop drawing when this many draws in a row launch nothing (all pruned or
 # already measured): the sampler has nothing new left to propose.
 MAX_IDLE_DRAWS = 200
+# Stop when this many launches in a row, from the first of a run, crashed with
+# one and the same error while nothing in the study was ever measured: the
+# model or the host is broken, not a configuration.
+SAME_CRASH_LIMIT = 3
 
 
 class TrialFailed(Exception):
@@ -170,9 +177,13 @@ def load_or_create_study(settings: RunSettings, storage: Any) -> optuna.Study:
     names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     if settings.study_name in names:
         return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)
-    study = optuna.create_study(
-        study_name=settings.study_name, storage=storage, sampler=sampler, direction="maximize"
-    )
+    try:
+        study = optuna.create_study(
+            study_name=settings.study_name, storage=storage, sampler=sampler, direction="maximize"
+        )
+    except optuna.exceptions.DuplicatedStudyError:
+        # Another tuner created it between our look and our create: join it.
+        return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)
     study.set_metric_names([METRIC_NAME])
     study.set_user_attr("identity", study_identity(settings))
     study.set_user_attr("budget", settings.budget_text)
@@ -191,6 +202,23 @@ class RunCounts:
     predicted_over: int = 0
     idle_draws: int = 0
     trial_wall_s: list[float] = field(default_factory=list)
+    # (error signature, log path) of each launch of this run
+    # that crashed, while every launch so far crashed.
+    crashes: list[tuple[str, str]] = field(default_factory=list)
+    every_launch_crashed: bool = True
+    last_crash: str = ""
+
+
+def first_line(error: str | None) -> str:
+    text = (error or "").strip()
+    return text.splitlines()[0] if text else ""
+
+
+def crash_signature(error: str | None) -> str:
+    """The error of a crash without which rank hit it: the same fault on rank 0
+    in one trial and on rank 1 in the next is the same fault."""
+    first = re.sub(r"^rank \d+ failed: ", "", first_line(error))
+    return re.sub(r"\brank \d+\b", "rank ?", first)
 
 
 class Tuner:
@@ -268,6 +296,17 @@ class Tuner:
                 self.counts.idle_draws = self.counts.idle_draws + 1 if idle else 0
 
     def objective(self, trial: optuna.Trial) -> float:
+        try:
+            return self._objective(trial)
+        except KeyboardInterrupt as exc:
+            # Ctrl-C or SIGTERM (later signals are ignored, so this is recorded):
+            # Optuna marks the trial FAIL and re-raises.
+            trial.set_user_attr("cause", "interrupted")
+            trial.set_user_attr("error", f"the tuner was stopped by {signal_name(exc)} during this trial; "
+                                         "it was queued to run again")
+            raise
+
+    def _objective(self, trial: optuna.Trial) -> float:
         # An enqueued trial (the baseline, a retry) may hold values outside the space file.
         fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
         cfg = self.settings.space.suggest(trial, self.model.layer_classes, fixed)
@@ -406,6 +445,7 @@ class Tuner:
     def _wait_for(self, other: FrozenTrial) -> None:
         deadline = time.monotonic() + self.settings.trial_timeout_s + 60
         while time.monotonic() < deadline:
+            interrupts.check()
             current = self.study._storage.get_trial(other._trial_id)
             if current.state.is_finished() or not _runner_alive(current):
                 return
@@ -489,6 +529,9 @@ class Tuner:
 
     def _record(self, trial: optuna.Trial, cfg: FsdpConfig, result: TrialResult, best: float | None) -> float:
         budget = self.settings.budget_bytes
+        if result.status != "crash":
+            with self._lock:
+                self.counts.every_launch_crashed = False
         if result.status == "ok":
             peak = int(result.peak_memory_bytes or 0)
             for name in (
@@ -527,12 +570,17 @@ class Tuner:
             self._progress(trial, cfg, f"out of memory on rank {result.failed_rank}: infeasible")
             return 0.0
         self._count("failed")
+        with self._lock:
+            if self.counts.every_launch_crashed and result.status == "crash":
+                self.counts.crashes.append((crash_signature(result.error), trial.user_attrs["log_path"]))
+                self.counts.last_crash = first_line(result.error)
+            else:
+                self.counts.every_launch_crashed = False
         trial.set_user_attr("cause", result.status)
         trial.set_user_attr("error", result.error)
         trial.set_user_attr("failed_rank", result.failed_rank)
         trial.set_user_attr("exit_code", result.exit_code)
-        first_line = (result.error or "").splitlines()[0] if result.error else ""
-        self._progress(trial, cfg, f"FAILED ({result.status}): {first_line} [log: {trial.user_attrs['log_path']}]")
+        self._progress(trial, cfg, f"FAILED ({result.status}): {first_line(result.error)} [log: {trial.user_attrs['log_path']}]")
         raise TrialFailed(f"{result.status}: {result.error}")
 
     # -- stopping -----------------------------------------------------------
@@ -545,9 +593,25 @@ class Tuner:
         elif self.space_exhausted(study):
             self.say(f"All {self.space_size} configurations of the space have been tried.")
             study.stop()
+        elif self.same_crash_every_time():
+            _, log = self.counts.crashes[-1]
+            self.say(f"Stopping: all {len(self.counts.crashes)} trials launched crashed with the same error, "
+                     f"{self.counts.last_crash} [log: {log}]")
+            study.stop()
         elif self.counts.idle_draws >= MAX_IDLE_DRAWS:
             self.say(f"The last {MAX_IDLE_DRAWS} draws were all pruned or already measured; stopping.")
             study.stop()
+
+    def same_crash_every_time(self) -> bool:
+        """Whether the launches of this run all crashed alike, often enough to
+        say the fault is not the configuration's, with nothing ever measured."""
+        crashes = self.counts.crashes
+        if not self.counts.every_launch_crashed or len(crashes) < SAME_CRASH_LIMIT:
+            return False
+        if len({signature for signature, _ in crashes}) != 1:
+            return False
+        return not any(t.user_attrs.get("tokens_per_s") or t.user_attrs.get("cause") == "oom"
+                       for t in self.study.get_trials(deepcopy=False))
 
     def refresh_note(self, study: optuna.Study) -> None:
         """Keep the dashboard's study note on the current best; cosmetic, so never fatal."""
@@ -633,54 +697,105 @@ def recover_stale_trials(study: optuna.Study, say) -> int:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if _runner_alive(t):
             continue
-        study._storage.set_trial_user_attr(t._trial_id, "cause", "tuner died")
-        study._storage.set_trial_user_attr(
-            t._trial_id, "error", "the autotune process running this trial died; the trial was queued again"
-        )
-        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
-        cfg = trial_config(t)
-        attrs = {"retry_of": t.number, **({"baseline": True} if t.user_attrs.get("baseline") else {})}
-        study.enqueue_trial(_as_params(cfg) if cfg else t.params, user_attrs=attrs)
+        _fail(study, t, "tuner died", "the autotune process running this trial died; the trial was queued again")
+        _requeue(study, t)
         say(f"Trial #{t.number} was left RUNNING by a tuner that died; marked failed and queued again.")
         recovered += 1
     return recovered
 
 
-def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> tuple[optuna.Study, Tuner, float]:
-    """Run (or resume) the study until ``settings.trials`` launches are done."""
+def settle_interrupted(study: optuna.Study, name: str) -> list[int]:
+    """After Ctrl-C or SIGTERM: this tuner's unfinished trials are FAIL with
+    cause ``interrupted``, and each drawn configuration is queued to run again.
+
+    Optuna records the trial it was running as FAIL (the objective set the
+    cause); a signal that landed between draws or inside Optuna's own
+    bookkeeping can leave one RUNNING instead.
+    """
+    me = runner_identity()
+    mine = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("runner") == me or
+            (t.state == TrialState.RUNNING and not t.user_attrs.get("runner"))]
+    retried = {t.user_attrs.get("retry_of") for t in study.get_trials(deepcopy=False)}
+    settled = []
+    for t in mine:
+        if t.state == TrialState.RUNNING:
+            _fail(study, t, "interrupted", f"the tuner was stopped by {name} during this trial; it was queued to run again")
+        elif not (t.state == TrialState.FAIL and t.user_attrs.get("cause") == "interrupted"):
+            continue
+        if t.number not in retried and trial_config(t) is not None:
+            _requeue(study, t)
+        settled.append(t.number)
+    return settled
+
+
+def _fail(study: optuna.Study, trial: FrozenTrial, cause: str, error: str) -> None:
+    study._storage.set_trial_user_attr(trial._trial_id, "cause", cause)
+    study._storage.set_trial_user_attr(trial._trial_id, "error", error)
+    study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+
+
+def _requeue(study: optuna.Study, trial: FrozenTrial) -> None:
+    cfg = trial_config(trial)
+    attrs = {"retry_of": trial.number, **({"baseline": True} if trial.user_attrs.get("baseline") else {})}
+    study.enqueue_trial(_as_params(cfg) if cfg else trial.params, user_attrs=attrs)
+
+
+def signal_name(exc: BaseException) -> str:
+    return exc.name if isinstance(exc, interrupts.Interrupted) else "SIGINT"
+
+
+@dataclass
+class RunOutcome:
+    study: optuna.Study
+    tuner: Tuner
+    elapsed_s: float
+    # The stop request that ended the run early, if one did.
+    interrupted: interrupts.Interrupted | None = None
+
+
+def run_study(settings: RunSettings, host: HostInfo, model: ModelInfo) -> RunOutcome:
+    """Run (or resume) the study until ``settings.trials`` launches are done, or a signal stops it."""
     check_resumable(settings)
     storage = open_storage(settings.storage_url, heartbeat=True)
     study = load_or_create_study(settings, storage)
     study.set_user_attr("host", host.as_dict())
     tuner = Tuner(study, settings, host, model)
+    start = time.perf_counter()
+    interrupted = None
     # Started first: its imports overlap the estimator's start.
     tuner.forks = ForkServer()
     try:
-        tuner.start_estimator()
-        # Several tuners may start on one study at once: one of them enqueues the baseline.
-        with exclusive(tuner.folder / "claims.lock"):
-            if not study.get_trials(deepcopy=False):
-                enqueue_baseline(study, host, model.layer_classes, settings.space)
-            recover_stale_trials(study, tuner.say)
-        start = time.perf_counter()
-        if tuner.space_exhausted(study):
-            tuner.say(f"All {tuner.space_size} configurations of the space were measured in earlier runs.")
-        else:
-            if not tuner.forks.ready():
-                tuner.say(f"Fork server unavailable ({tuner.forks.error}); each trial starts fresh interpreters.")
-            tuner.start_progress()
-            try:
-                study.optimize(
-                    tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,),
-                    n_jobs=max(1, len(settings.slots)),
-                )
-            finally:
-                tuner.close_progress()
+        _plan_and_optimize(study, tuner, settings, host, model)
+    except KeyboardInterrupt as exc:
+        interrupted = exc if isinstance(exc, interrupts.Interrupted) else interrupts.Interrupted(signal.SIGINT)
+        settled = settle_interrupted(study, interrupted.name)
+        tuner.say(f"Stopped by {interrupted.name}" + (f"; trial(s) {', '.join(f'#{n}' for n in settled)} "
+                                                       "recorded as interrupted and queued to run again" if settled else ""))
     finally:
+        tuner.close_progress()
         tuner.close_estimator()
         tuner.forks.close()
     tuner.refresh_note(study)
-    return study, tuner, time.perf_counter() - start
+    return RunOutcome(study, tuner, time.perf_counter() - start, interrupted)
+
+
+def _plan_and_optimize(study: optuna.Study, tuner: Tuner, settings: RunSettings, host: HostInfo, model: ModelInfo) -> None:
+    tuner.start_estimator()
+    # Several tuners may start on one study at once: one of them enqueues the baseline.
+    with exclusive(tuner.folder / "claims.lock"):
+        if not study.get_trials(deepcopy=False):
+            enqueue_baseline(study, host, model.layer_classes, settings.space)
+        recover_stale_trials(study, tuner.say)
+    if tuner.space_exhausted(study):
+        tuner.say(f"All {tuner.space_size} configurations of the space were measured in earlier runs.")
+        return
+    if not tuner.forks.ready():
+        tuner.say(f"Fork server unavailable ({tuner.forks.error}); each trial starts fresh interpreters.")
+    tuner.start_progress()
+    study.optimize(
+        tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,),
+        n_jobs=max(1, len(settings.slots)),
+    )
 
 
 def _as_params(cfg: FsdpConfig) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from optuna.trial import TrialState
 
 from autotune.export import build_export, write_export
 from autotune.storage import study_dir
-from autotune.study import RunSettings, Tuner, best_feasible, is_feasible
+from autotune.study import RunSettings, Tuner, best_feasible, crash_signature, first_line, is_feasible
 from autotune.tables import format_table
 from autotune.units import format_bytes
 
@@ -32,40 +32,7 @@ def summarize(study: optuna.Study, tuner: Tuner, settings: RunSettings, elapsed_
     best = best_feasible(study)
     budget = settings.budget_bytes
     if best is None:
-        peaks = [(t.user_attrs["peak_memory_bytes"], t) for t in complete if t.user_attrs.get("peak_memory_bytes")]
-        if peaks:
-            smallest, trial = min(peaks, key=lambda p: p[0])
-            print(
-                f"No configuration fits in {settings.budget_text} ({format_bytes(budget)}): the smallest peak "
-                f"seen was {format_bytes(smallest)} (trial #{trial.number}, {trial.user_attrs.get('label')}). "
-                "Raise --mem-budget, or add memory-saving choices (FULL_SHARD, activation checkpointing, "
-                "smaller micro_batch_size, cpu_offload on GPUs) to the space."
-            )
-        elif any(t.user_attrs.get("cause") == "oom" for t in complete):
-            ooms = sum(t.user_attrs.get("cause") == "oom" for t in complete)
-            print(
-                f"No configuration fits in {settings.budget_text}: all {ooms} configurations that ran went out of memory. "
-                "Add memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, cpu_offload) "
-                "or use more devices."
-            )
-        elif any(t.user_attrs.get("predicted_device_peak_bytes") for t in trials):
-            predicted = [t for t in trials if t.user_attrs.get("predicted_device_peak_bytes")]
-            trial = min(predicted, key=lambda t: t.user_attrs["predicted_device_peak_bytes"])
-            print(
-                f"No configuration fits in {settings.budget_text} ({format_bytes(budget)}): the smallest predicted peak "
-                f"was {format_bytes(trial.user_attrs['predicted_device_peak_bytes'])} (trial #{trial.number}, "
-                f"{trial.user_attrs.get('label')}), so nothing was launched. Raise --mem-budget, or add memory-saving "
-                "choices to the space; --no-estimate launches them anyway."
-            )
-        elif tuner.mbs_cap == 0 and tuner.frugal_prediction is not None:
-            cfg, peak = tuner.frugal_prediction
-            print(
-                f"No configuration fits in {settings.budget_text} ({format_bytes(budget)}): the smallest predicted peak "
-                f"was {format_bytes(peak)} ({cfg.describe()}, the most frugal choices of the space), so nothing was "
-                "launched. Raise --mem-budget; --no-estimate launches them anyway."
-            )
-        else:
-            print(f"No configuration fits in {settings.budget_text}: no trial finished with a measurement; see 'autotune trials'.")
+        print(explain_no_result(trials, tuner, settings))
         return 1
 
     feasible = sorted((t for t in complete if is_feasible(t)), key=lambda t: -t.value)
@@ -95,6 +62,56 @@ def summarize(study: optuna.Study, tuner: Tuner, settings: RunSettings, elapsed_
     write_export(build_export(study, best, settings.storage_url), str(path))
     print(f"  wrote {path}")
     return 0
+
+
+def explain_no_result(trials: list, tuner: Tuner, settings: RunSettings) -> str:
+    """Why the study has no feasible trial: nothing fits (measured, out of
+    memory, or predicted), or nothing could be measured at all (crashes,
+    timeouts), which is never called "nothing fits"."""
+    budget, text = settings.budget_bytes, settings.budget_text
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    peaks = [(t.user_attrs["peak_memory_bytes"], t) for t in complete if t.user_attrs.get("peak_memory_bytes")]
+    failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get("cause") in ("crash", "timeout")]
+    if peaks:
+        smallest, trial = min(peaks, key=lambda p: p[0])
+        return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest peak seen was "
+                f"{format_bytes(smallest)} (trial #{trial.number}, {trial.user_attrs.get('label')}). Raise --mem-budget, "
+                "or add memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, "
+                "cpu_offload on GPUs) to the space.")
+    if any(t.user_attrs.get("cause") == "oom" for t in complete):
+        ooms = sum(t.user_attrs.get("cause") == "oom" for t in complete)
+        return (f"No configuration fits in {text}: all {ooms} configurations that ran went out of memory. Add "
+                "memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, cpu_offload) "
+                "or use more devices.")
+    if failed:
+        return explain_failures(failed)
+    predicted = [t for t in trials if t.user_attrs.get("predicted_device_peak_bytes")]
+    if predicted:
+        trial = min(predicted, key=lambda t: t.user_attrs["predicted_device_peak_bytes"])
+        return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest predicted peak was "
+                f"{format_bytes(trial.user_attrs['predicted_device_peak_bytes'])} (trial #{trial.number}, "
+                f"{trial.user_attrs.get('label')}), so nothing was launched. Raise --mem-budget, or add memory-saving "
+                "choices to the space; --no-estimate launches them anyway.")
+    if tuner.mbs_cap == 0 and tuner.frugal_prediction is not None:
+        cfg, peak = tuner.frugal_prediction
+        return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest predicted peak was "
+                f"{format_bytes(peak)} ({cfg.describe()}, the most frugal choices of the space), so nothing was "
+                "launched. Raise --mem-budget; --no-estimate launches them anyway.")
+    return "No trial finished with a measurement yet; see 'autotune trials'."
+
+
+def explain_failures(failed: list) -> str:
+    """Every launched trial failed: with one shared error, that error and a log to read."""
+    signatures = {crash_signature(t.user_attrs.get("error")) for t in failed}
+    log = failed[-1].user_attrs.get("log_path")
+    if len(signatures) == 1:
+        causes = {t.user_attrs.get("cause") for t in failed}
+        verb = "crashed" if causes == {"crash"} else "failed"
+        return (f"Every trial {verb} ({len(failed)} of them), with the same error: "
+                f"{first_line(failed[-1].user_attrs.get('error'))} [log: {log}]. "
+                "Nothing was measured, so this says nothing about what fits; fix the error and rerun.")
+    return (f"No trial finished with a measurement: {len(failed)} failed with {len(signatures)} different errors, "
+            f"the last: {first_line(failed[-1].user_attrs.get('error'))} [log: {log}]. See 'autotune trials'.")
 
 
 def best_config_path(storage_url: str, study_name: str) -> Path:

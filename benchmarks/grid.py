@@ -38,7 +38,8 @@ from autotune.launcher import launch_trial
 from autotune.space import DIMENSIONS, load_space
 from autotune.study import baseline_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from reporting import machine  # noqa: E402
 
 FIELDS = [d.name for d in DIMENSIONS]
@@ -121,7 +122,7 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the whole space")
-    parser.add_argument("--out", default="benchmarks/data/grid_cpu.csv")
+    parser.add_argument("--out", default=str(HERE / "data" / "grid_cpu.csv"))
     args = parser.parse_args()
     if args.quick:
         args.space, args.seq_len, args.repeats = "smoke", 64, 1

@@ -55,7 +55,8 @@ from autotune.study import (
 )  # fmt: skip
 from autotune.units import format_bytes, parse_memory
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from grid import read_table, row_config  # noqa: E402
 from reporting import publish  # noqa: E402
 
@@ -278,7 +279,7 @@ def figure(curves: dict[str, list[list[float]]], table: Table, html: Path, png: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 seeds, 12 launches: keeps the script working")
-    parser.add_argument("--table", default="benchmarks/data/grid_cpu.csv")
+    parser.add_argument("--table", default=str(HERE / "data" / "grid_cpu.csv"))
     parser.add_argument("--seeds", type=int, default=50)
     parser.add_argument("--budget", default="median",
                         help="per-rank memory budget, e.g. 60MiB; 'median' (default) is the table's median measured "

@@ -75,3 +75,16 @@ def forks():
     assert server.ready(), server.error
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server of this session (see tests/postgres.py); never skipped."""
+    from tests.postgres import start_server
+
+    try:
+        server = start_server()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        pytest.fail(f"PostgreSQL could not start here: {exc}")
+    yield server
+    server.stop()

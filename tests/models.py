@@ -101,3 +101,43 @@ class _HangOnceLM(_TinyLM):
 
 def hang_once():
     return _HangOnceLM()
+
+
+def _is_fake(tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+class _SlowToEstimateLM(_TinyLM):
+    """Trains normally, but its fake step (the memory estimate) leaves a marker
+    file in the working folder and then takes an hour."""
+
+    def forward(self, input_ids, labels=None):
+        if _is_fake(input_ids):
+            from pathlib import Path
+
+            Path("estimating.marker").write_text("estimating\n")
+            time.sleep(3600)
+        return super().forward(input_ids, labels)
+
+
+def slow_to_estimate():
+    return _SlowToEstimateLM()
+
+
+class _HangMarkedLM(_TinyLM):
+    """Leaves a marker file in the working folder when a trial reaches its
+    forward, then hangs; its fake step (the estimate) runs normally."""
+
+    def forward(self, input_ids, labels=None):
+        if not _is_fake(input_ids):
+            from pathlib import Path
+
+            Path("trial.marker").write_text("in a trial\n")
+            time.sleep(3600)
+        return super().forward(input_ids, labels)
+
+
+def hang_marked():
+    return _HangMarkedLM()

@@ -54,9 +54,9 @@ def test_grid_then_search_efficiency_replay_quick(tmp_path):
 
 
 def test_search_efficiency_quick_on_the_committed_table(tmp_path):
-    """The committed ground truth still loads, and the real tuner replays on it."""
+    """The committed ground truth still loads by default from any folder, and the real tuner replays on it."""
     fig = tmp_path / "fig.html"
-    done = bench("search_efficiency.py", "--table", str(BENCH / "data" / "grid_cpu.csv"), "--figure", str(fig), cwd=REPO)
+    done = bench("search_efficiency.py", "--figure", str(fig), cwd=tmp_path)
     assert "| autotune |" in done.stdout
     assert "plotly" in fig.read_text().lower()
 
@@ -73,4 +73,4 @@ def test_noise_benchmark_quick(tmp_path):
 def test_estimator_accuracy_benchmark_quick(tmp_path):
     out = tmp_path / "accuracy.md"
     bench("estimator_accuracy.py", "--out", str(out), cwd=tmp_path)
-    assert "2 configurations: median absolute error" in out.read_text()
+    assert "3 configurations: median absolute error" in out.read_text()

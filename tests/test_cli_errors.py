@@ -27,6 +27,7 @@ CASES = [
     (["run", "--mem-budget", "20GB", "--trials", "-1"], ["--trials", "-1"]),
     (["run", "--mem-budget", "20GB", "--trial-timeout", "0"], ["--trial-timeout", "greater than 0"]),
     (["run", "--mem-budget", "20GB", "--seq-len", "zero"], ["--seq-len", "'zero'"]),
+    (["run", "--mem-budget", "20GB", "--warmup-steps", "1"], ["--warmup-steps", "1 must be at least 2", "measures memory"]),
     (["run", "--mem-budget", "20GB", "--timing-ci", "2%"], ["--timing-ci", "'2%'", "not a number"]),
     (["run", "--mem-budget", "20GB", "--timing-ci", "1.5"], ["--timing-ci", "1.5", "below 1"]),
     (["run", "--mem-budget", "20GB", "--model", "llama-13"], ["llama-13", "unknown preset"]),

@@ -15,7 +15,7 @@ from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.torchrun
 
-FAST = ["--seq-len", "32", "--warmup-steps", "1", "--timed-steps", "2", "--space", "smoke"]
+FAST = ["--seq-len", "32", "--warmup-steps", "2", "--timed-steps", "2", "--space", "smoke"]
 
 
 def _study(root: Path, name: str | None = None) -> optuna.Study:

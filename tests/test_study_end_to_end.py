@@ -10,7 +10,7 @@ from optuna.trial import TrialState
 pytestmark = pytest.mark.torchrun
 
 RUN = ["run", "--mem-budget", "20GB", "--space", "smoke", "--trials", "6", "--seq-len", "128",
-       "--warmup-steps", "1", "--timed-steps", "3"]
+       "--warmup-steps", "2", "--timed-steps", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_nothing_fits_a_one_megabyte_budget(tmp_path):
     # Launched anyway (--no-estimate), so the message is about measured peaks;
     # tests/test_estimate.py covers the same budget with the estimate on.
     done = run_cli("run", "--mem-budget", "1MB", "--space", "smoke", "--trials", "1", "--seq-len", "64",
-                   "--warmup-steps", "1", "--timed-steps", "2", "--no-estimate", cwd=tmp_path)
+                   "--warmup-steps", "2", "--timed-steps", "2", "--no-estimate", cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert "No configuration fits in 1MB" in done.stdout
     assert "smallest peak seen was" in done.stdout

@@ -19,7 +19,7 @@ def _run(tmp_path_factory, cfg: FsdpConfig, model: str = "llama-tiny", timeout: 
     """One trial; with ``forks`` its processes are forked as ``autotune run``
     forks them, without it each is a fresh interpreter (the fallback path)."""
     trial_dir = tmp_path_factory.mktemp("trial")
-    req = TrialRequest(fsdp=cfg, model=model, **{"seq_len": 128, "warmup_steps": 1, "timed_steps": 3, **request})
+    req = TrialRequest(fsdp=cfg, model=model, **{"seq_len": 128, "warmup_steps": 2, "timed_steps": 3, **request})
     return launch_trial(req, trial_dir, nproc=2, timeout_s=timeout, device_type="cpu", forks=forks)
 
 

@@ -77,6 +77,22 @@ def describe_host() -> dict:
     return info
 
 
+# Where models declare the longest sequence their position embeddings cover:
+# Llama-style configs, GPT-2 style configs, and hand-written modules.
+POSITION_LIMIT_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length",
+                        "seq_length", "n_ctx", "block_size")
+
+
+def position_limit(module) -> int | None:
+    """The model's declared maximum sequence length, from its config or its own attributes."""
+    for owner in (getattr(module, "config", None), module):
+        for name in POSITION_LIMIT_NAMES:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def describe_model(model: str, wrap_class: tuple[str, ...]) -> dict:
     from autotune.worker.models import build_model
 
@@ -87,6 +103,7 @@ def describe_model(model: str, wrap_class: tuple[str, ...]) -> dict:
         "num_layers": len(built.layers),
         "vocab_size": built.vocab_size,
         "class_name": type(built.module).__name__,
+        "max_positions": position_limit(built.module),
     }
 
 
