@@ -274,11 +274,14 @@ class RankMemory:
     peak_allocated: int | None = None
     peak_reserved: int | None = None
     tracked: int | None = None
+    # CUDA: device memory outside the caching allocator (context, NCCL buffers).
+    outside_allocator: int | None = None
 
     @property
     def peak(self) -> int:
+        """What the rank needs of the device: its allocator's peak plus what lies outside it."""
         figures = [v for v in (self.peak_reserved, self.tracked, self.peak_allocated) if v is not None]
-        return max(figures) if figures else 0
+        return (max(figures) if figures else 0) + (self.outside_allocator or 0)
 
 
 @dataclass
@@ -305,6 +308,8 @@ class TrialResult:
     torch_version: str | None = None
     transformers_version: str | None = None
     num_params: int | None = None
+    # Steps fp16's loss scaling skipped (not timed, not measured).
+    skipped_steps: int = 0
     # Seconds spent in each phase of the worker, to show where a trial's time goes.
     phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None

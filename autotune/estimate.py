@@ -54,14 +54,21 @@ def default_margin(device_type: str) -> Margin:
 
 
 def calibrated_margin(pairs: Iterable[tuple[int, int]], device_type: str) -> Margin:
-    """The margin from (measured, predicted) pairs of this study: the largest
-    measured/predicted ratio seen, so a configuration that fitted is not pruned
-    by a model that under-predicts; the default until enough trials exist."""
-    ratios = [m / p for m, p in pairs if m and p]
+    """The margin from (measured, predicted) pairs of this study, the default
+    until enough trials exist.
+
+    The fixed term (context, NCCL buffers) stays: the measured peak includes
+    that memory outside the allocator, so the factor fitted on top of it is
+    the largest ratio of what remains to the prediction, and a configuration
+    that fitted is never pruned by a model that under-predicts.
+    """
+    fixed = default_margin(device_type).fixed_bytes
+    ratios = [(m - fixed) / p for m, p in pairs if m and p]
     if len(ratios) < MIN_CALIBRATION_TRIALS:
         return default_margin(device_type)
     factor = max(1.0, max(ratios))
-    return Margin(round(factor, 4), 0, f"calibrated on {len(ratios)} trials (median ratio {statistics.median(ratios):.3f})")
+    return Margin(round(factor, 4), fixed, f"calibrated on {len(ratios)} trials (median ratio {statistics.median(ratios):.3f})"
+                  + (f" + {fixed / 2**30:.1f} GiB fixed" if fixed else ""))
 
 
 def memory_key(cfg: FsdpConfig) -> str:

@@ -23,6 +23,9 @@ class ModelInfo:
     max_positions: int | None = None
 
 
+BF16_FAST_CAPABILITY = (8, 0)
+
+
 @dataclass(frozen=True)
 class HostInfo:
     device_type: str
@@ -36,6 +39,8 @@ class HostInfo:
     bf16_speedup: float | None
     torch_version: str
     transformers_version: str
+    # CUDA compute capability (major, minor) of the first visible GPU.
+    cuda_capability: tuple[int, int] | None = None
 
     @property
     def device_count(self) -> int:
@@ -46,7 +51,10 @@ class HostInfo:
     def bf16_is_fast(self) -> bool:
         if not self.bf16_supported:
             return False
-        return self.device_type == "cuda" or (self.bf16_speedup or 0) >= 1.0
+        if self.device_type == "cuda":
+            # bf16 tensor cores arrived with Ampere (8.0); before, it is emulated.
+            return self.cuda_capability is not None and tuple(self.cuda_capability) >= BF16_FAST_CAPABILITY
+        return (self.bf16_speedup or 0) >= 1.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -69,7 +77,10 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300) 
     if "error" in data:
         raise UsageError(f"--model {model}: {data['error']}")
     model_data = data["model"]
-    return HostInfo(**data["host"]), ModelInfo(
+    host = data["host"]
+    if host.get("cuda_capability") is not None:
+        host["cuda_capability"] = tuple(host["cuda_capability"])
+    return HostInfo(**host), ModelInfo(
         num_params=model_data["num_params"],
         layer_classes=tuple(model_data["layer_classes"]),
         num_layers=model_data["num_layers"],

@@ -20,6 +20,7 @@ from typing import IO
 
 from autotune import interrupts
 from autotune.config import TrialRequest, TrialResult, write_json_atomic
+from autotune.devices import CUDA_MASK, cpu_cores, physical_ids
 from autotune.forkserver import ForkedProcess, ForkServer, spawn
 from autotune.lifeline import die_with_parent
 
@@ -50,27 +51,31 @@ def torchrun_command(nproc: int, config_path: Path, trial_dir: Path) -> list[str
     ]  # fmt: skip
 
 
-def _trial_env(nproc: int, device_type: str, devices: tuple[int, ...] | None) -> dict[str, str]:
-    env = dict(os.environ)
+def trial_env(nproc: int, device_type: str, devices: tuple[int, ...] | None,
+              environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The job's environment: the slot's GPUs by their physical names (the
+    user's own CUDA_VISIBLE_DEVICES entries, UUIDs kept), and intra-op threads
+    set explicitly, on CUDA too (CPU-offloaded optimizer steps run on them)."""
+    env = dict(os.environ if environ is None else environ)
     env["AUTOTUNE_LAUNCHED_AT"] = repr(time.time())
     env.setdefault("PYTHONUNBUFFERED", "1")
     if device_type == "cuda" and devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-    if device_type == "cpu":
-        # Ranks share the cores; more threads than cores makes timings noise.
-        cores = len(devices) if devices is not None else (os.cpu_count() or 1)
-        env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+        env[CUDA_MASK] = ",".join(physical_ids("cuda", devices, env))
+    # Ranks share the cores; more threads than cores makes timings noise.
+    cores = len(devices) if device_type == "cpu" and devices is not None else len(os.sched_getaffinity(0))
+    env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
     return env
 
 
 def _start_in_slot(device_type: str, devices: tuple[int, ...] | None):
     """The child's set-up between fork and exec: die with the driver and, on a
     CPU host with a device slot, run only on the slot's cores."""
+    cores = cpu_cores(devices) if device_type == "cpu" and devices is not None else None
 
     def preexec() -> None:
         die_with_parent()
-        if device_type == "cpu" and devices is not None:
-            os.sched_setaffinity(0, devices)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
 
     return preexec
 
@@ -133,7 +138,7 @@ def start_torchrun(
     """torchrun's agent, forked from the fork server when one is ready (its
     ranks are then forked too), else exec'd as a fresh interpreter."""
     if forks is not None and forks.ready():
-        affinity = devices if device_type == "cpu" and devices is not None else None
+        affinity = cpu_cores(devices) if device_type == "cpu" and devices is not None else None
         try:
             # command is [python, "-m", "torch.distributed.run", *arguments]
             return spawn(forks.socket_path, "torch.distributed.run:main", command[3:], stdout_fd=log.fileno(),
@@ -194,7 +199,7 @@ def launch_trial(
     started_at = time.time()
     with open(log_path, "wb") as log:
         proc = start_torchrun(torchrun_command(nproc, config_path, trial_dir), log,
-                              _trial_env(nproc, device_type, devices), device_type, devices, forks)
+                              trial_env(nproc, device_type, devices), device_type, devices, forks)
         try:
             timed_out = not wait_or_interrupt(proc, timeout_s)
         finally:

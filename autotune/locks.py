@@ -1,8 +1,9 @@
 """Host-wide locks: one trial per device at a time, and one claim per configuration.
 
 Timings are only honest when no other trial shares the devices, including
-trials of other ``autotune run`` processes on the same host. Each device (GPU
-index, or CPU core) has a lock file; a trial takes every device of its slot,
+trials of other ``autotune run`` processes on the same host. Each physical
+device (GPU index or UUID, whatever mask each tuner runs under, or CPU core)
+has a lock file; a trial takes every device of its slot,
 all or none, so slots that overlap can never run together. The locks are
 ``flock`` locks: the kernel drops them when the holder dies, even by SIGKILL,
 so a killed tuner never leaves a device locked.
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from autotune import interrupts
+from autotune.devices import physical_ids
 
 POLL_S = 0.5
 
@@ -46,12 +48,17 @@ def _release(fds: list[int]) -> None:
         os.close(fd)
 
 
+def device_lock_name(device_type: str, physical_id: str) -> str:
+    """One lock file per physical device (a GPU UUID is a name in its own right)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in physical_id)
+    return f"{socket.gethostname()}-{device_type}-{safe}.lock"
+
+
 def _try_slot(device_type: str, devices: tuple[int, ...]) -> list[int] | None:
-    host = socket.gethostname()
     held: list[int] = []
     # A fixed order keeps two holders of overlapping slots from deadlocking.
-    for device in sorted(devices):
-        fd = _try_lock(lock_dir() / f"{host}-{device_type}{device}.lock")
+    for physical_id in sorted(physical_ids(device_type, devices)):
+        fd = _try_lock(lock_dir() / device_lock_name(device_type, physical_id))
         if fd is None:
             _release(held)
             return None

@@ -141,3 +141,31 @@ class _HangMarkedLM(_TinyLM):
 
 def hang_marked():
     return _HangMarkedLM()
+
+
+class _BufferedBlock(nn.Module):
+    """A block with a non-persistent buffer that only its constructor computes:
+    no init function of this model touches it."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(hidden, hidden)
+        self.register_buffer("scale", torch.arange(1, hidden + 1, dtype=torch.float32) / hidden, persistent=False)
+
+    def forward(self, x):
+        expected = torch.arange(1, x.shape[-1] + 1, dtype=torch.float32, device=self.scale.device) / x.shape[-1]
+        if self.scale.dtype != torch.float32 or not torch.equal(self.scale, expected):
+            raise RuntimeError(f"buffer lost its constructed values: {self.scale[:4].tolist()} ({self.scale.dtype})")
+        return x + torch.relu(self.mlp(x)) * self.scale.to(x.dtype)
+
+
+class _BufferedLM(_TinyLM):
+    _no_split_modules = ["_BufferedBlock"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_BufferedBlock(32) for _ in range(2))
+
+
+def buffered():
+    return _BufferedLM()

@@ -130,3 +130,10 @@ def test_vocabulary_imports_neither_torch_nor_optuna():
     code = "import sys, autotune, autotune.config, autotune.cli; print('torch' in sys.modules, 'optuna' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_a_cuda_ranks_peak_adds_the_memory_outside_the_allocator():
+    # Context and NCCL buffers are device memory no allocator statistic counts.
+    memory = RankMemory(rank=0, peak_allocated=5, peak_reserved=30, outside_allocator=7)
+    assert memory.peak == 37
+    assert RankMemory(rank=0, tracked=10).peak == 10

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.config import TrialRequest, write_json_atomic
+from autotune.worker.failures import is_out_of_memory
 from autotune.worker.report import build_result
 from autotune.lifeline import die_with_parent
 from autotune.worker.runtime import init_distributed
@@ -50,6 +51,10 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
     mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes)
     model = parallelize(built.module, built.layers, request.fsdp.to_dict(), rank.device, mesh)
     phases["wrap_s"] = time.perf_counter() - start
+    if rank.device.type == "cuda":
+        # FSDP1 initializes unit by unit; that transient peak is not training's.
+        torch.cuda.synchronize(rank.device)
+        torch.cuda.reset_peak_memory_stats(rank.device)
 
     measurement = measure(model, request, built.vocab_size, rank)
     phases.update(measurement.phases)
@@ -78,7 +83,7 @@ def _failure_record(exc: BaseException, rank: int) -> dict:
         # Peers of a failed rank fail next (their collectives break): the
         # earliest record is the root cause.
         "time": time.time(),
-        "status": "oom" if isinstance(exc, torch.OutOfMemoryError) else "crash",
+        "status": "oom" if is_out_of_memory(exc) else "crash",
         "error": f"{type(exc).__name__}: {exc}"[:2000],
         "traceback": traceback.format_exc()[-8000:],
     }
@@ -104,7 +109,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.flush()
         # A rank that dies leaves its peers blocked in a collective; exiting at
         # once lets torchrun notice and stop the whole job.
-        os._exit(3 if isinstance(exc, torch.OutOfMemoryError) else 1)
+        os._exit(3 if is_out_of_memory(exc) else 1)
     return 0
 
 

@@ -9,6 +9,7 @@ OpenMP's thread pool does not survive a fork once it has started.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 
@@ -23,10 +24,28 @@ def preload() -> None:
     from autotune.worker import fsdp, models, train  # noqa: F401
 
 
+def cuda_driver_loaded(maps: str | None = None) -> bool:
+    """Whether the CUDA driver library is mapped into this process.
+
+    A process forked after the driver loaded cannot use CUDA, even when
+    torch never initialized it (``torch.cuda.is_initialized()`` is then False).
+    """
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return False
+    return any(line.rsplit("/", 1)[-1].startswith("libcuda.so") for line in maps.splitlines())
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m autotune.worker.preload SOCKET_PATH", flush=True)
         return 2
+    # Answer torch.cuda.is_available() from NVML, without loading the driver,
+    # should anything imported ask.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
         preload()
     except Exception as exc:  # noqa: BLE001 - the driver falls back to fresh interpreters
@@ -34,8 +53,8 @@ def main(argv: list[str]) -> int:
         return 1
     import torch
 
-    if torch.cuda.is_initialized():
-        print("preload failed: importing initialized CUDA, which a forked process cannot use", flush=True)
+    if torch.cuda.is_initialized() or cuda_driver_loaded():
+        print("preload failed: importing loaded the CUDA driver, which a forked process cannot use", flush=True)
         return 1
     # Objects that exist now are never collected: a fork's pages stay shared
     # instead of being copied when the collector touches their headers.

@@ -44,12 +44,16 @@ def describe_host() -> dict:
         "torch_version": torch.__version__,
         "device_type": device.type,
         "cuda_device_count": torch.cuda.device_count() if cuda else 0,
-        "cpu_count": os.cpu_count() or 1,
+        # The cores this tuner may use: --devices indices count within them.
+        "cpu_count": len(os.sched_getaffinity(0)),
         "device_name": torch.cuda.get_device_name(0) if cuda else None,
         "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
     }
     if cuda:
+        # is_bf16_supported() is also true where bf16 is only emulated (V100,
+        # T4: compute capability 7.x); the capability says whether it is fast.
         info["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
+        info["cuda_capability"] = list(torch.cuda.get_device_capability(0))
         info["fp16_supported"] = True
         info["bf16_speedup"] = None
     else:

@@ -42,6 +42,7 @@ def build_result(
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
         num_params=num_params,
+        skipped_steps=measurement.skipped_steps,
         phases={k: round(v, 4) for k, v in phases.items()},
     )
     result.rank_memory = list(gathered)

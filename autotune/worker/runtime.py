@@ -43,8 +43,10 @@ def init_distributed(requested_device: str) -> Rank:
     device = select_device(requested_device, local_rank)
     if device.type == "cuda":
         # Binding the device eagerly lets NCCL create its communicator now,
-        # not inside the first timed collective.
-        dist.init_process_group("nccl", device_id=device)
+        # not inside the first timed collective. The gloo half carries
+        # collectives on host tensors: with CPU offload, fp16's sharded grad
+        # scaler all-reduces found-inf flags that live on the CPU.
+        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
     else:
         dist.init_process_group("gloo")
     return Rank(rank=rank, local_rank=local_rank, world_size=world_size, device=device)

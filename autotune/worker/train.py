@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,30 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch
     return loss.detach()
 
 
+class Trainer:
+    """The trial's training loop, one optimizer step at a time.
+
+    fp16's loss scaling skips the optimizer step when a gradient overflowed
+    and halves the scale: such a step does less work than a real one, so
+    :meth:`step` says whether the optimizer really stepped (the scale did not
+    fall), and skipped steps are neither timed nor used to measure memory.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler) -> None:
+        self.model, self.optimizer, self.tokens, self.scaler = model, optimizer, tokens, scaler
+        self._scale = scaler.get_scale() if scaler is not None else None
+        self.loss: torch.Tensor | None = None
+
+    def step(self) -> bool:
+        self.loss = train_step(self.model, self.optimizer, self.tokens, self.scaler)
+        if self.scaler is None:
+            return True
+        scale = self.scaler.get_scale()  # a host read: the step has finished
+        stepped = scale >= self._scale
+        self._scale = scale
+        return stepped
+
+
 @dataclass
 class Measurement:
     step_times: list[float] = field(default_factory=list)
@@ -57,7 +82,14 @@ class Measurement:
     loss_last: float | None = None
     aborted_tokens_per_s: float | None = None
     memory: RankMemory | None = None
+    # Steps fp16's loss scaling skipped, warm-up and timing together.
+    skipped_steps: int = 0
     phases: dict[str, float] = field(default_factory=dict)
+
+
+# fp16 warm-up goes on, past --warmup-steps, until the loss scale has settled
+# (a step that was not skipped); beyond this many extra steps the trial fails.
+MAX_SCALE_SETTLE_STEPS = 16
 
 
 def _max_across_ranks(value: float, device: torch.device) -> float:
@@ -68,51 +100,47 @@ def _max_across_ranks(value: float, device: torch.device) -> float:
 
 
 def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank) -> Measurement:
-    """Untimed steps (the last of them measures peak memory), then timed steps.
-
-    Timing stops early in two cases, decided on the same cross-rank step times
-    so every rank stops together: the mean step time is known to within
-    ``request.timing_ci`` (95% confidence, after MIN_TIMED_STEPS), or, after
-    ABORT_CHECK_STEPS steps, the trial is too slow to matter (its partial
-    figure is kept).
-    """
+    """Untimed steps (the last of them measures peak memory), then timed steps (see :func:`time_steps`)."""
     device = rank.device
     cfg = request.fsdp
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = make_grad_scaler(cfg.mixed_precision, device)
     tokens = make_batch(vocab_size, cfg.micro_batch_size, request.seq_len, device, request.seed + rank.rank)
-    tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
+    trainer = Trainer(model, optimizer, tokens, scaler)
     result = Measurement()
-
-    def step() -> torch.Tensor:
-        return train_step(model, optimizer, tokens, scaler)
 
     phase_start = time.perf_counter()
     # The first step allocates optimizer state, so memory is measured on a
     # later one; it is untimed anyway, and so serves as a warm-up step too.
+    stepped = False
     for _ in range(request.warmup_steps - 1):
-        loss = step()
+        stepped = trainer.step()
+        result.skipped_steps += not stepped
         if result.loss_first is None:
-            result.loss_first = float(loss.item())
-    result.memory = measure_memory_step(step, rank)
+            result.loss_first = float(trainer.loss.item())
+    for _ in range(MAX_SCALE_SETTLE_STEPS):
+        result.memory, stepped = measure_memory_step(trainer.step, rank)
+        if stepped:
+            break
+        result.skipped_steps += 1
+    if not stepped:
+        raise RuntimeError(f"fp16 loss scaling skipped every step of the warm-up, {MAX_SCALE_SETTLE_STEPS} more "
+                           "included: the gradients overflow at every scale")
     result.phases["warmup_s"] = time.perf_counter() - phase_start
+
+    def timed_step() -> tuple[float, bool]:
+        start = time.perf_counter()
+        stepped = trainer.step()
+        synchronize(device)
+        return _max_across_ranks(time.perf_counter() - start, device), stepped
 
     dist.barrier()
     phase_start = time.perf_counter()
-    for _ in range(request.timed_steps):
-        start = time.perf_counter()
-        loss = step()
-        synchronize(device)
-        result.step_times.append(_max_across_ranks(time.perf_counter() - start, device))
-        n = len(result.step_times)
-        if request.abort_below_tokens_per_s is not None and n == min(ABORT_CHECK_STEPS, request.timed_steps):
-            estimate = tokens_per_step / statistics.median(result.step_times)
-            if estimate < request.abort_below_tokens_per_s:
-                result.aborted_tokens_per_s = estimate
-                break
-        if request.timing_ci and n >= MIN_TIMED_STEPS and relative_ci95(result.step_times) <= request.timing_ci:
-            break
-    result.loss_last = float(loss.item())
+    tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
+    result.step_times, skipped, result.aborted_tokens_per_s = time_steps(
+        timed_step, request.timed_steps, request.timing_ci, request.abort_below_tokens_per_s, tokens_per_step)
+    result.skipped_steps += skipped
+    result.loss_last = float(trainer.loss.item())
     if device.type == "cuda":
         # The allocator's pool can still grow after the memory step.
         result.memory.peak_reserved = max(result.memory.peak_reserved, torch.cuda.max_memory_reserved(device))
@@ -121,25 +149,65 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
     return result
 
 
-def measure_memory_step(step, rank: Rank) -> RankMemory:
-    """Run one step and report this rank's peak memory.
+def time_steps(
+    timed_step: Callable[[], tuple[float, bool]],
+    timed_steps: int,
+    timing_ci: float,
+    abort_below_tokens_per_s: float | None,
+    tokens_per_step: int,
+) -> tuple[list[float], int, float | None]:
+    """Time steps until the mean is known, the trial is hopeless, or ``timed_steps`` are done.
 
-    On CUDA, ``peak_allocated`` is the step's peak of live tensors and
-    ``peak_reserved`` the allocator's peak over the whole run, which is what an
-    out-of-memory error is decided on.
+    ``timed_step()`` returns the step's seconds (the slowest rank's, so every
+    rank decides alike) and whether the optimizer really stepped; a skipped
+    step is not timed, and at most as many again are tried. Timing stops
+    early when the mean step time is known to within ``timing_ci`` (95%
+    confidence, after MIN_TIMED_STEPS steps) or when, after ABORT_CHECK_STEPS
+    steps, the speed is below ``abort_below_tokens_per_s`` (that partial
+    figure is returned). Returns (step times, skipped steps, partial figure or None).
+    """
+    times: list[float] = []
+    skipped = 0
+    while len(times) < timed_steps and skipped < timed_steps:
+        seconds, stepped = timed_step()
+        if not stepped:
+            skipped += 1
+            continue
+        times.append(seconds)
+        n = len(times)
+        if abort_below_tokens_per_s is not None and n == min(ABORT_CHECK_STEPS, timed_steps):
+            partial = tokens_per_step / statistics.median(times)
+            if partial < abort_below_tokens_per_s:
+                return times, skipped, partial
+        if timing_ci and n >= MIN_TIMED_STEPS and relative_ci95(times) <= timing_ci:
+            break
+    if not times:
+        raise RuntimeError(f"fp16 loss scaling skipped all {skipped} timed steps: the gradients overflow at every scale")
+    return times, skipped, None
+
+
+def measure_memory_step(step: Callable[[], bool], rank: Rank) -> tuple[RankMemory, bool]:
+    """Run one step; this rank's peak memory, and whether the optimizer stepped.
+
+    On CUDA, ``peak_allocated`` is the step's peak of live tensors,
+    ``peak_reserved`` the allocator's peak since the model was wrapped (what an
+    out-of-memory error is decided on), and ``outside_allocator`` the device
+    memory no allocator statistic shows: the CUDA context and NCCL's buffers.
     """
     device = rank.device
     if device.type == "cuda":
         synchronize(device)
         run_reserved = torch.cuda.max_memory_reserved(device)
         torch.cuda.reset_peak_memory_stats(device)
-        step()
+        stepped = step()
         synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
         return RankMemory(
             rank=rank.rank,
             peak_allocated=torch.cuda.max_memory_allocated(device),
             peak_reserved=max(run_reserved, torch.cuda.max_memory_reserved(device)),
-        )
+            outside_allocator=max(0, total - free - torch.cuda.memory_reserved(device)),
+        ), stepped
     with LiveStorageTracker() as tracker:
-        step()
-    return RankMemory(rank=rank.rank, tracked=tracker.peak_bytes)
+        stepped = step()
+    return RankMemory(rank=rank.rank, tracked=tracker.peak_bytes), stepped

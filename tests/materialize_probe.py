@@ -1,0 +1,48 @@
+"""Run under torchrun: build a model as a trial does, wrap it, report parameter counts and ties.
+
+    torchrun --nproc-per-node 2 tests/materialize_probe.py MODEL FSDP_VERSION STRATEGY
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from autotune.config import FsdpConfig
+from autotune.worker.fsdp import build_mesh, parallelize
+from autotune.worker.models import build_model
+
+
+def tied(module) -> bool:
+    inner = getattr(module, "module", module)  # FSDP1 wraps the model
+    return inner.get_input_embeddings().weight is inner.get_output_embeddings().weight
+
+
+def main() -> None:
+    model, version, strategy = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo")
+    built = build_model(model)
+    before = {"params": sum(p.numel() for p in built.module.parameters()), "tied": tied(built.module)}
+    cfg = FsdpConfig(fsdp_version=version, sharding_strategy=strategy, transformer_layer_cls=built.layer_classes)
+    mesh = build_mesh("cpu", strategy, dist.get_world_size(), 1)
+    wrapped = parallelize(built.module, built.layers, cfg.to_dict(), torch.device("cpu"), mesh)
+    # Unique parameters, counted at their full size on every rank.
+    if version == 1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(wrapped):
+            after = sum(p.numel() for p in wrapped.parameters())
+    else:
+        after = sum(p.numel() for p in wrapped.parameters())  # DTensors report their global shape
+    report = {"before": before, "after": {"params": after, "tied": tied(wrapped)},
+              "meta_left": any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()])}
+    if dist.get_rank() == 0:
+        print("REPORT " + json.dumps(report), flush=True)
+    dist.barrier()
+    os._exit(0)  # gloo + FSDP1 destructors can abort after the work is done
+
+
+if __name__ == "__main__":
+    main()
