@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from autotune import __version__, interrupts
 from autotune.config import MIN_WARMUP_STEPS
 from autotune.errors import UsageError
-from autotune.storage import DEFAULT_STORAGE
+from autotune.outputs.formats import FORMATS
+from autotune.study.storage import DEFAULT_STORAGE
 
 DEFAULT_TRIALS = 20
 DEFAULT_TRIAL_TIMEOUT_S = 300.0
@@ -41,23 +42,6 @@ def _at_least(minimum: int, why: str = ""):
 
 
 _positive_int = _at_least(1)
-
-
-def parse_slot(text: str, device_count: int) -> tuple[int, ...]:
-    """``0,1`` or ``0-3`` (or a mix) to sorted device indices, checked against the host."""
-    devices: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            devices.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise UsageError(f"--devices {text}: write device indices like 0,1 or 0-3") from None
-    if not devices:
-        raise UsageError(f"--devices {text}: the slot holds no device")
-    bad = sorted(d for d in devices if not 0 <= d < device_count)
-    if bad:
-        raise UsageError(f"--devices {text}: device {bad[0]} does not exist; this host has devices 0-{device_count - 1}")
-    return tuple(sorted(devices))
 
 
 def _positive_float(text: str) -> float:
@@ -92,7 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"autotune {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    for add in (_add_run, _add_estimate, _add_trials, _add_export, _add_report, _add_dashboard, _add_measure):
+        add(commands)
+    return parser
 
+
+def _add_run(commands: Any) -> None:
     run = commands.add_parser(
         "run",
         help="tune: launch one short torchrun FSDP job per trial and keep every result",
@@ -143,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "and skip configurations predicted over budget)")
     run.add_argument("--quiet", action="store_true", help="print only the final summary")
 
+
+def _add_estimate(commands: Any) -> None:
     estimate = commands.add_parser(
         "estimate", help="predict peak memory per rank for the space, without GPUs",
         description="Predict each configuration's peak memory per rank from a fake training step (no GPU, no "
@@ -162,11 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--seed", type=int, default=0, help="seed of the --limit sample (default: 0)")
     estimate.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: table)")
 
+
+def _add_trials(commands: Any) -> None:
     trials = commands.add_parser("trials", help="show the trials of a study",
                                  description="List a study's trials: outcome, tokens/s, peak memory, configuration, and why any trial failed or was pruned.")
     _add_study_args(trials)
     trials.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: table)")
 
+
+def _add_export(commands: Any) -> None:
     export = commands.add_parser(
         "export", help="write the best feasible configuration",
         description="Export the best feasible trial (or --trial N): json (autotune.fsdp-config/v1), accelerate "
@@ -174,11 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "torchtitan (TOML job-file fragment, v0.2.2 schema) or python (a module applying it with torch "
                     "only). What a format cannot express is said in the file and on stderr.")
     _add_study_args(export)
-    export.add_argument("-f", "--format", choices=("json", "accelerate", "hf", "torchtitan", "python"), default="json",
+    export.add_argument("-f", "--format", choices=FORMATS, default="json",
                         help="output format (default: json)")
     export.add_argument("-o", "--output", default=None, metavar="FILE", help="file to write (default: stdout)")
     export.add_argument("--trial", type=int, default=None, metavar="N", help="export trial N instead of the best")
 
+
+def _add_report(commands: Any) -> None:
     report = commands.add_parser("report", help="write a self-contained HTML report of a study",
                                  description="One HTML file with plotly.js inline (works offline): tokens/s against peak "
                                              "memory with the budget and the Pareto front, the optimization history, "
@@ -187,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", default=None, metavar="FILE",
                         help="HTML file to write (default: studies/<study>/report.html beside the database)")
 
+
+def _add_dashboard(commands: Any) -> None:
     dashboard = commands.add_parser("dashboard", help="serve optuna-dashboard on the study database",
                                     description="Start optuna-dashboard on the storage (Ctrl-C stops it). Binds to "
                                                 "127.0.0.1 unless --host says otherwise.")
@@ -194,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     dashboard.add_argument("--port", type=_positive_int, default=8080, help="port (default: 8080)")
 
+
+def _add_measure(commands: Any) -> None:
     measure = commands.add_parser("measure", help="measure one configuration again, outside any study",
                                   description="Launch one trial from an exported JSON file (or a trial's config.json) and print its result.")
     measure.add_argument("file", help="exported best_config.json, or a trial's config.json")
@@ -201,260 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     measure.add_argument("--trial-timeout", type=_positive_float, default=DEFAULT_TRIAL_TIMEOUT_S, metavar="SECONDS",
                          help=f"kill the job after this long (default: {DEFAULT_TRIAL_TIMEOUT_S:g})")
     measure.add_argument("--output-dir", default=None, help="where the trial's files go (default: a new temporary folder)")
-    return parser
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from autotune.host import probe
-    from autotune.presets import choose_seq_len, parse_model_spec
-    from autotune.space import load_space
-    from autotune.storage import check_storage_url
-    from autotune.units import parse_memory
-
-    budget = parse_memory(args.mem_budget)
-    spec = parse_model_spec(args.model)
-    space = load_space(args.space)
-    check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
-    host, model = probe(args.model, tuple(args.wrap_class))
-    nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
-    if nproc > host.device_count:
-        what = f"{host.cuda_device_count} GPUs" if host.device_type == "cuda" else f"{host.cpu_count} CPU cores and no GPU"
-        raise UsageError(f"--nproc {nproc}: this host has {what}; use --nproc {host.device_count} or fewer")
-    seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
-    if seq_note and not args.quiet:
-        print(f"autotune run: {seq_note}", file=sys.stderr)
-    slots = tuple(parse_slot(text, host.device_count) for text in args.devices)
-    if host.device_type == "cuda":
-        small = next((slot for slot in slots if len(slot) < nproc), None)
-        if small is not None:
-            raise UsageError(f"--devices {','.join(map(str, small))}: a slot needs at least --nproc {nproc} GPUs")
-
-    from autotune.storage import mask_url, prepare_storage
-    from autotune.study import RunSettings, check_resumable, default_study_name, run_study
-    from autotune.summary import summarize
-
-    budget_text = args.mem_budget.replace(" ", "")
-    settings = RunSettings(
-        model=args.model if spec.kind != "config_file" else spec.value,
-        model_label=spec.label,
-        nproc=nproc,
-        seq_len=seq_len,
-        budget_bytes=budget,
-        budget_text=budget_text,
-        space=space,
-        trials=args.trials,
-        trial_timeout_s=args.trial_timeout,
-        study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text),
-        storage_url=args.storage,
-        seed=args.seed,
-        warmup_steps=args.warmup_steps,
-        timed_steps=args.timed_steps,
-        timing_ci=args.timing_ci,
-        quiet=args.quiet,
-        device_type=host.device_type,
-        slots=slots,
-        use_estimate=not args.no_estimate,
-    )
-    check_resumable(settings)
-    prepare_storage(settings.storage_url)
-    if not args.quiet:
-        print(
-            f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "
-            f"on {nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {seq_len}, "
-            f"budget {budget_text} per rank; study {settings.study_name} in {mask_url(settings.storage_url)}",
-            file=sys.stderr,
-        )
-    run = run_study(settings, host, model)
-    if run.interrupted is not None:
-        print(f"Interrupted by {run.interrupted.name}: the trial in progress was stopped and queued to run again; "
-              "rerun the same command to resume. The study so far:")
-    code = summarize(run.study, run.tuner, settings, run.elapsed_s)
-    return run.interrupted.exit_code if run.interrupted is not None else code
-
-
-def cmd_estimate(args: argparse.Namespace) -> int:
-    import random
-
-    from autotune.estimate import EstimatorClient, default_margin
-    from autotune.host import probe
-    from autotune.presets import choose_seq_len, parse_model_spec
-    from autotune.space import load_space
-    from autotune.tables import format_table
-    from autotune.units import format_bytes, parse_memory
-
-    budget = parse_memory(args.mem_budget)
-    spec = parse_model_spec(args.model)
-    space = load_space(args.space)
-    if args.nproc % args.nnodes:
-        raise UsageError(f"--nproc {args.nproc} is not a multiple of --nnodes {args.nnodes}; give ranks that the nodes share evenly")
-    _, model = probe(args.model, tuple(args.wrap_class))
-    seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
-    if seq_note:
-        print(f"autotune estimate: {seq_note}", file=sys.stderr)
-    configs = [c for c in space.enumerate(model.layer_classes) if not (c.is_hybrid and args.nnodes < 2)]
-    limit = args.limit or (len(configs) if len(configs) <= 64 else 64)
-    if limit < len(configs):
-        configs = random.Random(args.seed).sample(configs, limit)
-    margin = default_margin(args.device)
-    client = EstimatorClient(spec.value if spec.kind == "config_file" else args.model, args.nproc, args.nnodes, seq_len)
-    rows = []
-    try:
-        for i, cfg in enumerate(configs):
-            if args.format == "table":
-                print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True)
-            result = client.estimate(cfg)
-            if "error" in result:
-                rows.append({"config": cfg.to_dict(), "label": cfg.describe(), "error": result["error"]})
-                continue
-            device_peak = margin.apply(result["peak_bytes"])
-            rows.append({"config": cfg.to_dict(), "label": cfg.describe(), "tensor_peak_bytes": result["peak_bytes"],
-                         "predicted_peak_bytes": device_peak, "fits": device_peak <= budget,
-                         "breakdown": result["breakdown"], "method": result["method"], "seconds": result["seconds"]})
-    finally:
-        client.close()
-    rows.sort(key=lambda r: r.get("predicted_peak_bytes", float("inf")))
-    largest: dict[tuple, int] = {}
-    for r in rows:
-        c = r["config"]
-        group = (c["sharding_strategy"], c["activation_checkpointing"], c["mixed_precision"])
-        largest.setdefault(group, 0)
-        if r.get("fits"):
-            largest[group] = max(largest[group], c["micro_batch_size"])
-    if args.format == "json":
-        print(json.dumps({"model": args.model, "world_size": args.nproc, "nnodes": args.nnodes, "seq_len": seq_len,
-                          "budget_bytes": budget, "margin": vars(margin), "configurations": rows,
-                          "largest_micro_batch": [{"sharding_strategy": g[0], "activation_checkpointing": g[1],
-                                                   "mixed_precision": g[2], "micro_batch_size": m} for g, m in sorted(largest.items())]},
-                         indent=2))
-        return 0
-    print(f"{model.class_name} ({model.num_params / 1e9:.2f}B params), world size {args.nproc} on {args.nnodes} node(s), "
-          f"seq len {seq_len}, budget {args.mem_budget} = {format_bytes(budget)} per rank; margin: {margin.source}.")
-    print(format_table(
-        ["predicted", "fits", "params", "grads", "optim", "activ", "temp", "configuration"],
-        [[format_bytes(r["predicted_peak_bytes"]), "yes" if r["fits"] else "NO",
-          *(format_bytes(r["breakdown"].get(k, 0)) for k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries")),
-          r["label"]] if "error" not in r else ["-", "?", "", "", "", "", "", f"{r['label']} (estimate failed: {r['error']})"] for r in rows],
-        right=(0, 2, 3, 4, 5, 6),
-    ))
-    print("\nLargest micro batch that fits, among the configurations estimated:")
-    print(format_table(["sharding", "checkpointing", "precision", "micro batch"],
-                       [[g[0], g[1], g[2], m or "none fits"] for g, m in sorted(largest.items())], right=(3,)))
-    return 0
-
-
-def _open_study(args: argparse.Namespace):
-    import optuna
-
-    from autotune.storage import check_storage_url, open_storage, resolve_study_name
-
-    check_storage_url(args.storage, create_dirs=False)
-    name = resolve_study_name(args.storage, args.study_name)
-    return optuna.load_study(study_name=name, storage=open_storage(args.storage))
-
-
-def cmd_trials(args: argparse.Namespace) -> int:
-    from autotune.tables import trial_record, trials_table
-
-    study = _open_study(args)
-    budget = study.user_attrs.get("identity", {}).get("budget_bytes")
-    records = [trial_record(t, budget) for t in study.get_trials(deepcopy=False)]
-    if args.format == "json":
-        print(json.dumps({"study": study.study_name, "budget_bytes": budget, "trials": records}, indent=2))
-    else:
-        print(f"Study {study.study_name} (budget {study.user_attrs.get('budget')}): {len(records)} trials")
-        print(trials_table(records))
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from optuna.trial import TrialState
-
-    from autotune.export import build_export, write_text
-    from autotune.study import best_feasible
-
-    study = _open_study(args)
-    if args.trial is None:
-        trial = best_feasible(study)
-        if trial is None:
-            raise UsageError(f"study {study.study_name} has no feasible trial yet; see 'autotune trials'")
-    else:
-        matches = [t for t in study.get_trials(deepcopy=False) if t.number == args.trial]
-        if not matches or matches[0].state != TrialState.COMPLETE or "tokens_per_s" not in matches[0].user_attrs:
-            raise UsageError(f"--trial {args.trial}: no measured trial with that number in {study.study_name}")
-        trial = matches[0]
-    from autotune.formats import render
-
-    text, notes = render(build_export(study, trial, args.storage), args.format)
-    for note in notes:
-        print(f"autotune export: {args.format} cannot express {note}", file=sys.stderr)
-    write_text(text, args.output)
-    return 0
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from autotune.export import write_text
-    from autotune.report import build_report
-    from autotune.storage import study_dir
-
-    study = _open_study(args)
-    output = args.output or str(study_dir(args.storage, study.study_name) / "report.html")
-    write_text(build_report(study), output)
-    print(f"wrote {output}")
-    return 0
-
-
-def cmd_dashboard(args: argparse.Namespace) -> int:
-    from autotune.dashboard import serve, update_study_note
-
-    study = _open_study(args) if args.study_name else None
-    if study is not None:
-        update_study_note(study)
-    from autotune.storage import mask_url
-
-    print(f"optuna-dashboard on {mask_url(args.storage)}: http://{args.host}:{args.port}/dashboard/ (Ctrl-C stops it)", flush=True)
-    serve(args.storage, args.host, args.port)
-    return 0
-
-
-def cmd_measure(args: argparse.Namespace) -> int:
-    import tempfile
-    from pathlib import Path
-
-    from autotune.config import ConfigError, TrialRequest
-    from autotune.export import SCHEMA, request_from_export
-    from autotune.host import probe
-    from autotune.launcher import launch_trial
-    from autotune.locks import device_slot
-
-    try:
-        doc = json.loads(Path(args.file).read_text())
-        if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
-            request = request_from_export(doc)
-            nproc = args.nproc or doc.get("measured", {}).get("world_size") or 2
-        else:
-            request = TrialRequest.from_dict(doc)
-            nproc = args.nproc or 2
-    except (OSError, json.JSONDecodeError, ConfigError, KeyError, TypeError) as exc:
-        raise UsageError(f"{args.file}: not an exported configuration or trial config ({exc})") from None
-    trial_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="autotune-measure-"))
-    host, _ = probe(request.model, request.fsdp.transformer_layer_cls)
-    if nproc > host.device_count:
-        raise UsageError(f"--nproc {nproc}: this host has {host.device_count} {'GPUs' if host.device_type == 'cuda' else 'CPU cores'}; "
-                         f"use --nproc {host.device_count} or fewer")
-    # Held like a trial's: a tuner on this host does not time its trials meanwhile.
-    with device_slot(host.device_type, [tuple(range(host.device_count))]) as slot:
-        outcome = launch_trial(request, trial_dir, nproc, args.trial_timeout, host.device_type, devices=slot)
-    result = outcome.result
-    print(json.dumps({"status": result.status, "tokens_per_s": result.tokens_per_s, "peak_memory_bytes": result.peak_memory_bytes,
-                      "step_time_cv": result.step_time_cv, "wall_s": round(outcome.wall_s, 2), "trial_dir": str(trial_dir),
-                      "error": result.error}, indent=2))
-    return 0 if result.status == "ok" else 1
-
-
-COMMANDS = {
-    "run": cmd_run, "estimate": cmd_estimate, "trials": cmd_trials, "export": cmd_export, "report": cmd_report,
-    "dashboard": cmd_dashboard, "measure": cmd_measure,
-}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -462,8 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("run", "measure"):
         # Both launch torchrun jobs: SIGTERM must stop them as Ctrl-C does.
         interrupts.install()
+    from autotune import commands
+
     try:
-        return COMMANDS[args.command](args)
+        return commands.COMMANDS[args.command](args)
     except UsageError as exc:
         print(f"autotune {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 FSDP_VERSIONS = (1, 2)
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
@@ -42,6 +42,8 @@ RESHARD_AFTER_FORWARD = {
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 TRIAL_STATUSES = ("ok", "oom", "crash", "timeout", "aborted")
+# "auto" picks CUDA + NCCL when GPUs are visible, else CPU + gloo.
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -65,6 +67,59 @@ def _check_type(name: str, value: Any, kind: type) -> None:
         raise ConfigError(f"{name}={value!r} must be a number")
     if kind is str and not isinstance(value, str):
         raise ConfigError(f"{name}={value!r} must be a string")
+
+
+def _always(picked: Mapping[str, Any]) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class SearchField:
+    """One field of :class:`FsdpConfig` that a search space can vary.
+
+    The one place its type, its allowed values and its condition are written:
+    configuration validation, search-space files, the sampler's draws, the
+    CLI and the report all read them from here.
+    """
+
+    name: str
+    kind: type
+    # Allowed values, or None for "any integer >= 1".
+    allowed: tuple | None = None
+    # Whether the field is drawn, given the fields drawn before it: a choice
+    # that cannot matter (FSDP1-only knobs under FSDP2) is never drawn.
+    applies: Callable[[Mapping[str, Any]], bool] = _always
+
+    def allowed_text(self) -> str:
+        if self.allowed is None:
+            return "any integer >= 1"
+        return ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in self.allowed)
+
+    def check(self, value: Any) -> None:
+        """Raise :class:`ConfigError` naming the field, the value and what is allowed."""
+        wrong_type = not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool))
+        if wrong_type:
+            kind = {int: "an integer", bool: "true or false", str: "a string"}[self.kind]
+            raise ConfigError(f"{self.name}={value!r} is not {kind}; allowed values: {self.allowed_text()}")
+        if (self.allowed is None and value < 1) or (self.allowed is not None and value not in self.allowed):
+            raise ConfigError(f"{self.name}={value!r} is not allowed; allowed values: {self.allowed_text()}")
+
+
+# In drawing order: a field's condition may only look at earlier ones.
+SEARCH_FIELDS: tuple[SearchField, ...] = (
+    SearchField("fsdp_version", int, FSDP_VERSIONS),
+    SearchField("sharding_strategy", str, SHARDING_STRATEGIES),
+    SearchField("auto_wrap_policy", str, AUTO_WRAP_POLICIES),
+    SearchField("min_num_params", int, None, lambda p: p["auto_wrap_policy"] == "size_based"),
+    SearchField("mixed_precision", str, MIXED_PRECISIONS),
+    SearchField("activation_checkpointing", str, ACTIVATION_CHECKPOINTING),
+    SearchField("forward_prefetch", bool, (False, True)),
+    SearchField("backward_prefetch", str, BACKWARD_PREFETCH, lambda p: p["fsdp_version"] == 1),
+    SearchField("limit_all_gathers", bool, (False, True), lambda p: p["fsdp_version"] == 1),
+    SearchField("cpu_offload", bool, (False, True)),
+    SearchField("micro_batch_size", int, None),
+)
+SEARCH_FIELD = {f.name: f for f in SEARCH_FIELDS}
 
 
 def _from_mapping(cls: type, data: Mapping[str, Any], what: str) -> Any:
@@ -116,18 +171,8 @@ class FsdpConfig:
             )
 
     def _validate(self) -> None:
-        _check_choice("fsdp_version", self.fsdp_version, FSDP_VERSIONS)
-        _check_choice("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
-        _check_choice("auto_wrap_policy", self.auto_wrap_policy, AUTO_WRAP_POLICIES)
-        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
-        _check_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
-        _check_choice("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
-        for name in ("forward_prefetch", "limit_all_gathers", "cpu_offload"):
-            _check_type(name, getattr(self, name), bool)
-        for name in ("min_num_params", "micro_batch_size"):
-            _check_type(name, getattr(self, name), int)
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        for search_field in SEARCH_FIELDS:
+            search_field.check(getattr(self, search_field.name))
         for cls_name in self.transformer_layer_cls:
             if not isinstance(cls_name, str) or not cls_name.isidentifier():
                 raise ConfigError(f"transformer_layer_cls entry {cls_name!r} is not a class name")
@@ -248,7 +293,7 @@ class TrialRequest:
                 "optimizer state and is never representative, and the last measures memory"
             )
         _check_type("seed", self.seed, int)
-        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("device", self.device, DEVICES)
         _check_type("timing_ci", self.timing_ci, float)
         if not 0 <= self.timing_ci < 1:
             raise ConfigError(f"timing_ci={self.timing_ci} must be at least 0 and below 1 (0.02 means 2%)")
@@ -328,6 +373,25 @@ class TrialResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrialResult:
         return _from_mapping(cls, data, "trial result")
+
+
+# The exported configuration's format: autotune export, best_config.json.
+SCHEMA = "autotune.fsdp-config/v1"
+
+
+def request_from_export(doc: Mapping[str, Any], **overrides: Any) -> TrialRequest:
+    """The trial that reproduces an exported measurement."""
+    if doc.get("schema") != SCHEMA:
+        raise ConfigError(f"not an {SCHEMA} document (schema={doc.get('schema')!r})")
+    fields = {"fsdp": doc["fsdp"], "model": doc["model"], "seq_len": doc["seq_len"], **overrides}
+    return TrialRequest(**fields)
+
+
+def load_request(data: Any) -> TrialRequest:
+    """A trial's config.json, or an exported best configuration to reproduce."""
+    if isinstance(data, Mapping) and data.get("schema") == SCHEMA:
+        return request_from_export(data)
+    return TrialRequest.from_dict(data)
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from optuna.trial import TrialState
 
+from autotune.study.record import Attr
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reporting import machine, publish  # noqa: E402
 from overhead import launched_trials, phase_totals, run_study  # noqa: E402
@@ -53,10 +55,10 @@ def main() -> int:
     run, run_wall, study = run_study(work, extra)
     name = study.study_name
     trials = study.get_trials(deepcopy=False)
-    finished = [t for t in trials if t.state == TrialState.COMPLETE and "reused_from" not in t.user_attrs]
+    finished = [t for t in trials if t.state == TrialState.COMPLETE and Attr.REUSED_FROM not in t.user_attrs]
     launched = launched_trials(study)
     totals = phase_totals(launched)
-    wall_total = sum(t.user_attrs["wall_s"] for t in launched)
+    wall_total = sum(t.user_attrs[Attr.WALL_S] for t in launched)
 
     best = study.best_trial
     best_file = work / "studies" / name / "best_config.json"
@@ -76,8 +78,8 @@ def main() -> int:
         f"- `autotune run --mem-budget 20GB{' ' + ' '.join(extra) if extra else ''}`: **{run_wall:.0f} s** wall, "
         f"{len(launched)} trials launched, **{len(finished)} finished with a measurement**, "
         f"{len(trials)} trials in the study (pruned before launch and reused ones included).",
-        f"- Best: trial #{best.number} `{best.user_attrs['label']}`: {best.value:,.0f} tokens/s, "
-        f"peak {best.user_attrs['peak_memory_bytes'] / 2**20:.1f} MiB.",
+        f"- Best: trial #{best.number} `{best.user_attrs[Attr.LABEL]}`: {best.value:,.0f} tokens/s, "
+        f"peak {best.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**20:.1f} MiB.",
         f"- Re-measured alone {args.repeats}x: " + ", ".join(f"{r:,.0f}" for r in repeats)
         + f" tokens/s; ratio to the study's figure: " + ", ".join(f"{r:.3f}" for r in ratios)
         + f" (max deviation {max(abs(r - 1) for r in ratios) * 100:.1f}%).",
@@ -95,7 +97,7 @@ def main() -> int:
     lines += [
         "",
         f"Warm-up + timed steps: {100 * measured / wall_total:.1f}% of trial wall time; "
-        f"median trial {statistics.median(t.user_attrs['wall_s'] for t in launched):.1f} s.",
+        f"median trial {statistics.median(t.user_attrs[Attr.WALL_S] for t in launched):.1f} s.",
         "",
         "Summary printed by the run:",
         "",

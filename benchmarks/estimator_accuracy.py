@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.estimate import EstimatorClient
-from autotune.forkserver import ForkServer
-from autotune.launcher import launch_trial
+from autotune.launch.estimator import EstimatorClient
+from autotune.launch.forkserver import ForkServer
+from autotune.launch.launcher import launch_trial
 from autotune.presets import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

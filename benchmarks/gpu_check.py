@@ -72,7 +72,7 @@ def _configs():
 
 
 def step_host(ctx: Context) -> list[str]:
-    from autotune.host import probe
+    from autotune.launch.host import probe
 
     host, model = probe(MODEL)
     ctx.host = host
@@ -82,7 +82,7 @@ def step_host(ctx: Context) -> list[str]:
 
 
 def step_fork_server(ctx: Context) -> list[str]:
-    from autotune.forkserver import ForkServer
+    from autotune.launch.forkserver import ForkServer
 
     ctx.forks = ForkServer()
     ready = ctx.forks.ready()
@@ -92,7 +92,7 @@ def step_fork_server(ctx: Context) -> list[str]:
 
 def _trial(ctx: Context, name: str, cfg, **request):
     from autotune.config import TrialRequest
-    from autotune.launcher import launch_trial
+    from autotune.launch.launcher import launch_trial
 
     req = TrialRequest(fsdp=cfg, model=MODEL, seq_len=request.pop("seq_len", SEQ_LEN), timed_steps=5, **request)
     return launch_trial(req, ctx.work / name, 1, TIMEOUT_S, "cuda", devices=(0,), forks=ctx.forks)
@@ -100,7 +100,8 @@ def _trial(ctx: Context, name: str, cfg, **request):
 
 def step_trials(ctx: Context) -> list[str]:
     """Predicted against measured, every config; offload and fp16 among them."""
-    from autotune.estimate import EstimatorClient, default_margin
+    from autotune.launch.estimator import EstimatorClient
+    from autotune.study.margin import default_margin
 
     client = EstimatorClient(MODEL, 1, 1, SEQ_LEN, timeout_s=TIMEOUT_S)
     margin = default_margin("cuda")

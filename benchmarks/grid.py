@@ -31,18 +31,20 @@ import time
 from pathlib import Path
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.estimate import EstimatorClient, memory_key
-from autotune.forkserver import ForkServer
-from autotune.host import host_incompatibility, probe
-from autotune.launcher import launch_trial
-from autotune.space import DIMENSIONS, load_space
-from autotune.study import baseline_config
+from autotune.launch.estimator import EstimatorClient
+from autotune.study.margin import memory_key
+from autotune.launch.forkserver import ForkServer
+from autotune.launch.host import host_incompatibility, probe
+from autotune.launch.launcher import launch_trial
+from autotune.config import SEARCH_FIELDS
+from autotune.study.baseline import baseline_config
+from autotune.study.space import load_space
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from reporting import machine  # noqa: E402
 
-FIELDS = [d.name for d in DIMENSIONS]
+FIELDS = [f.name for f in SEARCH_FIELDS]
 COLUMNS = [
     *FIELDS, "label", "status", "tokens_per_s", "tokens_per_s_runs", "peak_memory_bytes", "predicted_peak_bytes",
     "estimate_s", "wall_s", "launch_and_import_s", "warmup_s", "timed_s", "timed_steps", "step_time_cv", "note",
@@ -66,7 +68,7 @@ def read_table(path: Path) -> tuple[dict[str, str], list[dict[str, str]]]:
 def row_config(row: dict[str, str], layer_classes: tuple[str, ...]) -> FsdpConfig:
     """The configuration a table row holds, typed as the vocabulary wants it."""
     values = {}
-    for dim in DIMENSIONS:
+    for dim in SEARCH_FIELDS:
         text = row[dim.name]
         values[dim.name] = (text == "True") if dim.kind is bool else dim.kind(text)
     return FsdpConfig(**values, transformer_layer_cls=layer_classes)

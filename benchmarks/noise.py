@@ -33,9 +33,9 @@ import tempfile
 from pathlib import Path
 
 from autotune.config import FsdpConfig
-from autotune.export import request_from_export
-from autotune.forkserver import ForkServer
-from autotune.launcher import launch_trial
+from autotune.config import request_from_export
+from autotune.launch.forkserver import ForkServer
+from autotune.launch.launcher import launch_trial
 from autotune.presets import PRESETS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -30,6 +30,8 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial
 
+from autotune.study.record import Attr
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reporting import machine, publish  # noqa: E402
 
@@ -53,21 +55,21 @@ def run_study(work: Path, extra: list[str], env: dict[str, str] | None = None) -
 
 def launched_trials(study: optuna.Study) -> list[FrozenTrial]:
     """Trials that ran a torchrun job (not pruned before launch, not reused)."""
-    return [t for t in study.get_trials(deepcopy=False) if "wall_s" in t.user_attrs and "reused_from" not in t.user_attrs]
+    return [t for t in study.get_trials(deepcopy=False) if Attr.WALL_S in t.user_attrs and Attr.REUSED_FROM not in t.user_attrs]
 
 
 def phase_totals(trials: list[FrozenTrial]) -> dict[str, float]:
     """Seconds per worker phase summed over ``trials``; ``rest_of_job_s`` is the
     trial wall time no phase accounts for."""
-    totals = {p: sum(t.user_attrs.get("phases", {}).get(p, 0.0) for t in trials) for p in PHASES}
-    totals["rest_of_job_s"] = sum(t.user_attrs["wall_s"] for t in trials) - sum(totals.values())
+    totals = {p: sum(t.user_attrs.get(Attr.PHASES, {}).get(p, 0.0) for t in trials) for p in PHASES}
+    totals["rest_of_job_s"] = sum(t.user_attrs[Attr.WALL_S] for t in trials) - sum(totals.values())
     return totals
 
 
 def split(study: optuna.Study, wall: float) -> dict[str, float]:
     trials = launched_trials(study)
     totals = phase_totals(trials)
-    totals["driver_outside_trials_s"] = wall - sum(t.user_attrs["wall_s"] for t in trials)
+    totals["driver_outside_trials_s"] = wall - sum(t.user_attrs[Attr.WALL_S] for t in trials)
     return totals
 
 
@@ -101,7 +103,7 @@ def main() -> int:
         lines.append(f"| {phase.removesuffix('_s').replace('_', ' ')} | " + " | ".join(cells) + " |")
     lines.append("| **study wall time** | " + " | ".join(f"**{runs[l][0]:.1f} s**" for l in labels) + " |")
     outside = {l: 1 - sum(runs[l][2][p] for p in MEASURING) / runs[l][0] for l in labels}
-    per_trial = {l: statistics.median(t.user_attrs["wall_s"] for t in launched_trials(runs[l][1])) for l in labels}
+    per_trial = {l: statistics.median(t.user_attrs[Attr.WALL_S] for t in launched_trials(runs[l][1])) for l in labels}
     counts = {l: len(launched_trials(runs[l][1])) for l in labels}
     best = {l: runs[l][1].best_trial for l in labels}
     fork, fresh = labels
@@ -109,7 +111,7 @@ def main() -> int:
         "| launched trials | " + " | ".join(str(counts[l]) for l in labels) + " |",
         "| median trial wall time | " + " | ".join(f"{per_trial[l]:.2f} s" for l in labels) + " |",
         "| outside warm-up + timed steps | " + " | ".join(f"**{100 * outside[l]:.1f}%**" for l in labels) + " |",
-        "| best found | " + " | ".join(f"{best[l].value:,.0f} tok/s `{best[l].user_attrs['label']}`" for l in labels) + " |",
+        "| best found | " + " | ".join(f"{best[l].value:,.0f} tok/s `{best[l].user_attrs[Attr.LABEL]}`" for l in labels) + " |",
         "",
         f"Fork server: study wall time x{runs[fork][0] / runs[fresh][0]:.2f}, median trial x{per_trial[fork] / per_trial[fresh]:.2f} "
         f"against fresh interpreters, in the same run. Target: at most {TARGET_OUTSIDE:.0%} of the study outside "

@@ -7,7 +7,7 @@ Nothing is launched: a trial's result is the row of ``grid.py``'s table for the
 configuration drawn. A configuration whose measured peak is over ``--budget``
 is infeasible. The strategies, each run with ``--seeds`` seeds:
 
-- **autotune**: the tuner itself (``autotune.study.Tuner``: its sampler, the
+- **autotune**: the tuner itself (``autotune.study.run_study``: its sampler, the
   enqueued baseline, host pruning, the memory estimate from the predictions the
   table recorded, reuse of measured configurations, early abort of hopeless
   trials). Only the launch is replaced, by a table lookup.
@@ -46,13 +46,11 @@ from pathlib import Path
 import optuna
 
 from autotune.config import ABORT_CHECK_STEPS, FsdpConfig, TrialRequest, TrialResult
-from autotune.estimate import memory_key
-from autotune.host import HostInfo, ModelInfo, host_incompatibility
-from autotune.launcher import LaunchOutcome
-from autotune.space import load_space
-from autotune.study import (
-    RunSettings, TrialFailed, Tuner, enqueue_baseline, load_or_create_study,
-)  # fmt: skip
+from autotune.study.margin import memory_key
+from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
+from autotune.launch.launcher import LaunchOutcome
+from autotune.study.space import load_space
+from autotune.study import RunSettings, run_study
 from autotune.units import format_bytes, parse_memory
 
 HERE = Path(__file__).resolve().parent
@@ -147,27 +145,28 @@ class TableEstimator:
         pass
 
 
-class ReplayTuner(Tuner):
-    """The real tuner, with the torchrun launch replaced by a table lookup."""
+class TableLaunch:
+    """The real tuner's launch seam, answered from the table instead of torchrun.
 
-    table: Table
-    estimates: TableEstimator
-    path: list[tuple[float | None, float]]
-    _estimates_paid = 0.0
+    Keeps the path of (feasible tokens/s or None, seconds) per launch; a launch
+    also pays for the estimates made since the one before it.
+    """
 
-    def run_trial(self, request: TrialRequest, trial_dir: Path, slot: tuple[int, ...]) -> LaunchOutcome:
+    def __init__(self, table: Table, estimates: TableEstimator) -> None:
+        self.table, self.estimates = table, estimates
+        self.path: list[tuple[float | None, float]] = []
+        self._estimates_paid = 0.0
+
+    def __call__(self, request: TrialRequest, trial_dir: Path, slot: tuple[int, ...]) -> LaunchOutcome:
         m = self.table.rows[request.fsdp.key()]
         limit = request.abort_below_tokens_per_s
+        aborted = m.status == "ok" and limit is not None and m.tokens_per_s < limit
         if m.status != "ok":
             result = TrialResult(status=m.status, peak_memory_bytes=m.peak, error=f"{m.status} in the table")
-            aborted = False
-        elif limit is not None and m.tokens_per_s < limit:
+        elif aborted:
             result = TrialResult(status="aborted", tokens_per_s=m.tokens_per_s)
-            aborted = True
         else:
             result = TrialResult(status="ok", tokens_per_s=m.tokens_per_s, peak_memory_bytes=m.peak)
-            aborted = False
-        # A launch also pays for the estimates made since the last one.
         wall = self.table.cost(request.fsdp, aborted) + self.estimates.seconds - self._estimates_paid
         self._estimates_paid = self.estimates.seconds
         self.path.append((None if aborted else self.table.value(request.fsdp), wall))
@@ -175,21 +174,18 @@ class ReplayTuner(Tuner):
 
 
 def replay_autotune(table: Table, seed: int, launches: int, work: Path) -> list[tuple[float | None, float]]:
-    space = load_space(table.header["space"])
+    """The real tuner (``run_study``: sampler, baseline, gate, claims, early abort) with the launch replayed."""
     settings = RunSettings(
         model=table.header["model"], model_label=table.header["model"], nproc=table.nproc, seq_len=table.seq_len,
-        budget_bytes=table.budget, budget_text=table.budget_text, space=space, trials=launches,
-        trial_timeout_s=600, study_name=f"seed{seed}", storage_url=f"sqlite:///{work}/replay.db", seed=seed,
-        quiet=True, device_type=table.host.device_type,
+        budget_bytes=table.budget, budget_text=table.budget_text, space=load_space(table.header["space"]),
+        trials=launches, trial_timeout_s=600, study_name=f"seed{seed}", storage_url=f"sqlite:///{work}/replay.db",
+        seed=seed, quiet=True, device_type=table.host.device_type,
     )
-    study = load_or_create_study(settings, optuna.storages.InMemoryStorage())
-    tuner = ReplayTuner(study, settings, table.host, table.model)
-    tuner.table, tuner.path, tuner.estimates = table, [], TableEstimator(table)
-    tuner.folder.mkdir(parents=True, exist_ok=True)
-    tuner.start_estimator(tuner.estimates)
-    enqueue_baseline(study, table.host, table.model.layer_classes, space)
-    study.optimize(tuner.objective, callbacks=[tuner.stop_when_done], catch=(TrialFailed,))
-    return tuner.path
+    estimates = TableEstimator(table)
+    launch = TableLaunch(table, estimates)
+    run_study(settings, table.host, table.model, launch=launch, estimator=estimates,
+              storage=optuna.storages.InMemoryStorage())
+    return launch.path
 
 
 def replay_optuna_tpe(table: Table, seed: int, launches: int) -> list[tuple[float | None, float]]:

@@ -60,7 +60,7 @@ def chromium(tmp_path):
 def forks():
     """One fork server for the session, as one ``autotune run`` has: trials
     start in about a second instead of paying torch's imports per process."""
-    from autotune.forkserver import ForkServer
+    from autotune.launch.forkserver import ForkServer
 
     # The server imports test targets (tests.forkserver_targets) by name.
     previous = os.environ.get("PYTHONPATH")

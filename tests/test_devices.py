@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from autotune.devices import physical_ids, visible_devices
-from autotune.launcher import trial_env
-from autotune.locks import _try_slot, device_lock_name
+from autotune.launch.devices import physical_ids, visible_devices
+from autotune.launch.launcher import trial_env
+from autotune.launch.locks import _try_slot, device_lock_name
 
 
 @pytest.mark.parametrize("mask, slot, expected", [

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autotune.launcher import classify
+from autotune.launch.launcher import classify
 from autotune.worker.failures import is_out_of_memory
 
 
@@ -68,7 +68,7 @@ def test_the_fork_server_refuses_once_the_cuda_driver_is_mapped():
 
 
 def test_bf16_counts_as_fast_only_from_ampere():
-    from autotune.host import HostInfo
+    from autotune.launch.host import HostInfo
 
     def gpu(capability):
         return HostInfo(device_type="cuda", cuda_device_count=1, cpu_count=8, device_name="GPU", device_memory_bytes=1,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from autotune.forkserver import DISABLE_VAR, ForkServer, spawn
-from autotune.lifeline import process_alive
+from autotune.launch.forkserver import DISABLE_VAR, ForkServer, spawn
+from autotune.launch.lifeline import process_alive
 
 pytestmark = pytest.mark.torchrun
 
@@ -64,7 +64,7 @@ def test_wait_times_out_and_kill_reports_the_signal(forks):
 def test_a_forked_process_dies_with_its_client(forks):
     client = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from autotune.forkserver import spawn\n"
+         "import sys, time; from autotune.launch.forkserver import spawn\n"
          f"p = spawn({forks.socket_path!r}, 'tests.forkserver_targets:sleep', ['120'], stdout_fd=1)\n"
          "time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,

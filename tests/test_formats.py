@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from autotune.config import FsdpConfig
-from autotune.export import build_export
-from autotune.formats import render
+from autotune.outputs.export import build_export
+from autotune.outputs.formats import render
 
 LAYER = ("LlamaDecoderLayer",)
 CONFIGS = {
@@ -249,7 +249,7 @@ os._exit(0)
 ], ids=["fsdp2-full-bf16-ac-meta", "fsdp1-sgo-fp32-host", "fsdp2-sgo-fp16-host"])
 def test_python_module_needs_the_memory_its_trial_measured(cfg, built_on, tmp_path, forks):
     from autotune.config import TrialRequest
-    from autotune.launcher import launch_trial
+    from autotune.launch.launcher import launch_trial
 
     outcome = launch_trial(TrialRequest(fsdp=cfg, model="llama-tiny", seq_len=128, timed_steps=3), tmp_path / "trial",
                            nproc=2, timeout_s=240, forks=forks)

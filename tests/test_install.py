@@ -71,7 +71,7 @@ def test_the_wheel_carries_the_built_in_spaces(installed, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for space in ("default", "smoke", "benchmark_cpu"):
         assert f"autotune/search_spaces/{space}.yaml" in names
-    done = _run_installed(target, "-c", "import autotune, autotune.space as s; print(autotune.__file__); "
+    done = _run_installed(target, "-c", "import autotune, autotune.study.space as s; print(autotune.__file__); "
                                         "print(s.load_space('default').path)", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     module, space = done.stdout.split()

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.estimate import EstimatorClient
-from autotune.launcher import launch_trial
+from autotune.launch.estimator import EstimatorClient
+from autotune.launch.launcher import launch_trial
 from autotune.presets import PRESETS
 from tests.conftest import REPO
 

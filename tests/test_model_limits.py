@@ -54,6 +54,7 @@ def test_the_probe_reads_the_limit_under_each_name():
     assert position_limit(nn.Linear(1, 1)) is None
 
 
+@pytest.mark.torchrun  # the host probe builds the model first
 @pytest.mark.parametrize("command", ["run", "estimate"])
 def test_cli_refuses_a_seq_len_above_the_limit_before_anything_starts(gpt2_config, tmp_path, command):
     done = run_cli(command, "--mem-budget", "20GB", "--model", str(gpt2_config), "--seq-len", "1024", cwd=tmp_path)

@@ -53,7 +53,7 @@ def study_db(tmp_path_factory):
     study.add_trial(_trial(oom, 0.0, BUDGET + 1, cause="oom"))
     study.add_trial(create_trial(state=TrialState.FAIL, user_attrs={"cause": "timeout", "error": "no result within 300s"}))
     study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"prune_reason": "cpu_offload needs an accelerator"}))
-    from autotune.dashboard import update_study_note
+    from autotune.outputs.dashboard import update_study_note
 
     update_study_note(study)
     return root, storage, study

@@ -38,45 +38,20 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_hung_trials_time_out_and_the_study_goes_on(tmp_path):
-    done = run_cli("run", "--mem-budget", "20GB", "--model", "tests.models:hang", "--trials", "2",
+def test_a_hung_trial_times_out_and_leaves_no_process(tmp_path):
+    # The study going on after a timeout is tests/test_objective.py's; this is the real job being killed.
+    done = run_cli("run", "--mem-budget", "20GB", "--model", "tests.models:hang", "--trials", "1",
                    "--trial-timeout", "6", "--no-estimate", *FAST, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     trials = _study(tmp_path).trials
-    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL]
+    assert [t.state for t in trials] == [TrialState.FAIL]
     for t in trials:
         assert t.user_attrs["cause"] == "timeout"
         assert Path(tmp_path / t.user_attrs["log_path"]).exists()
     assert _processes_mentioning(str(tmp_path)) == [], "trial processes outlived the timeout"
     table = run_cli("trials", cwd=tmp_path).stdout
-    assert table.count("timeout") >= 2 and "no result within --trial-timeout 6s" in table
-
-
-def test_a_rank_killed_by_a_signal_is_a_failure_with_its_cause(tmp_path):
-    done = run_cli("run", "--mem-budget", "20GB", "--model", "tests.models:killed_on_rank1", "--trials", "1",
-                   *FAST, cwd=tmp_path)
-    assert done.returncode == 1
-    (trial,) = _study(tmp_path).trials
-    assert trial.state == TrialState.FAIL
-    assert trial.user_attrs["cause"] == "crash"
-    assert trial.user_attrs["failed_rank"] == 1
-    assert trial.user_attrs["exit_code"] == -9
-    assert "rank 1 is about to be killed" in trial.user_attrs["error"]
-    assert "rank 1 was killed by SIGKILL" in run_cli("trials", cwd=tmp_path).stdout
-
-
-def test_out_of_memory_everywhere_is_infeasible_and_ends_cleanly(tmp_path):
-    done = run_cli("run", "--mem-budget", "20GB", "--model", "tests.models:oom", "--trials", "2", *FAST, cwd=tmp_path)
-    assert done.returncode == 1, done.stderr
-    assert "No configuration fits in 20GB" in done.stdout and "out of memory" in done.stdout
-    trials = _study(tmp_path).trials
-    assert len(trials) == 2
-    for t in trials:
-        assert t.state == TrialState.COMPLETE and t.value == 0.0
-        assert t.user_attrs["cause"] == "oom"
-        assert t.constraints["peak_memory_over_budget"] > 0
-    assert "out of memory on rank" in run_cli("trials", cwd=tmp_path).stdout
+    assert table.count("timeout") >= 1 and "no result within --trial-timeout 6s" in table
 
 
 def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path):
@@ -159,6 +134,6 @@ def test_yaml_is_loaded_safely(tmp_path):
 
 
 def test_rendezvous_is_local():
-    from autotune.launcher import torchrun_command
+    from autotune.launch.launcher import torchrun_command
 
     assert "--standalone" in torchrun_command(2, Path("c.json"), Path("d"))

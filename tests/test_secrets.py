@@ -5,7 +5,7 @@ import json
 import optuna
 import pytest
 
-from autotune.storage import mask_url
+from autotune.study.storage import mask_url
 from tests.conftest import run_cli
 
 
@@ -22,7 +22,7 @@ def test_mask_url_hides_only_the_password(url, shown):
 
 def test_the_export_document_carries_the_masked_url():
     from tests.test_formats import CONFIGS, export_doc
-    from autotune.export import build_export
+    from autotune.outputs.export import build_export
 
     doc = export_doc(CONFIGS["fsdp2-noshard-fp32"])
     study = optuna.create_study(direction="maximize")

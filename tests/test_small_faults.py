@@ -8,12 +8,12 @@ import optuna
 import pytest
 
 from autotune.config import FsdpConfig, TrialRequest, TrialResult
-from autotune.export import write_text
-from autotune.host import HostInfo, ModelInfo
+from autotune.outputs.export import write_text
+from autotune.launch.host import HostInfo, ModelInfo
 
 
 def _settings(tmp_path, **changes):
-    from autotune.space import load_space
+    from autotune.study.space import load_space
     from autotune.study import RunSettings
 
     fields = dict(model="llama-tiny", model_label="llama-tiny", nproc=2, seq_len=32, budget_bytes=10**9,
@@ -25,8 +25,8 @@ def _settings(tmp_path, **changes):
 def test_a_study_created_by_another_tuner_meanwhile_is_joined(tmp_path, monkeypatch):
     """Two tuners starting a new study at once: one creates it between the
     other's look and create; the late one must join, not fail."""
-    import autotune.study as study_module
-    from autotune.storage import open_storage
+    import autotune.study.identity as study_module
+    from autotune.study.storage import open_storage
 
     settings = _settings(tmp_path)
     storage = open_storage(settings.storage_url)
@@ -38,7 +38,7 @@ def test_a_study_created_by_another_tuner_meanwhile_is_joined(tmp_path, monkeypa
 
 
 def test_concurrent_creators_of_one_new_study_all_succeed(tmp_path):
-    from autotune.storage import open_storage
+    from autotune.study.storage import open_storage
     from autotune.study import load_or_create_study
 
     settings = _settings(tmp_path)
@@ -84,24 +84,24 @@ def test_writers_of_one_file_never_share_a_temporary_name(tmp_path):
 def test_measure_uses_the_hosts_device_and_holds_its_slot(tmp_path, monkeypatch):
     """On a GPU host `autotune measure` runs on CUDA (not the CPU it used to
     assume), in a device slot other tuners see as taken."""
-    import autotune.cli as cli
-    import autotune.host
-    import autotune.launcher
-    from autotune.locks import _try_slot
+    import autotune.commands as cli
+    import autotune.launch.host
+    import autotune.launch.launcher
+    from autotune.launch.locks import _try_slot
 
     host = HostInfo(device_type="cuda", cuda_device_count=2, cpu_count=16, device_name="GPU", device_memory_bytes=80 * 2**30,
                     bf16_supported=True, fp16_supported=True, bf16_speedup=None, torch_version="2.x",
                     transformers_version="5.x")
     model = ModelInfo(num_params=1, layer_classes=("LlamaDecoderLayer",), num_layers=1, vocab_size=1, class_name="M")
-    monkeypatch.setattr(autotune.host, "probe", lambda *a, **k: (host, model))
+    monkeypatch.setattr(autotune.launch.host, "probe", lambda *a, **k: (host, model))
     monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(tmp_path / "locks"))
     seen = {}
 
     def launch(request, trial_dir, nproc, timeout_s, device_type, devices=None, forks=None):
         seen.update(device_type=device_type, devices=devices, free=_try_slot(device_type, devices) is not None)
-        return autotune.launcher.LaunchOutcome(TrialResult(status="ok", tokens_per_s=1.0), 1.0, tmp_path / "log", tmp_path)
+        return autotune.launch.launcher.LaunchOutcome(TrialResult(status="ok", tokens_per_s=1.0), 1.0, tmp_path / "log", tmp_path)
 
-    monkeypatch.setattr(autotune.launcher, "launch_trial", launch)
+    monkeypatch.setattr(autotune.launch.launcher, "launch_trial", launch)
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TrialRequest(fsdp=FsdpConfig()).to_dict()))
     args = argparse.Namespace(file=str(config), nproc=2, trial_timeout=60, output_dir=str(tmp_path / "out"))

@@ -3,7 +3,7 @@ import pytest
 
 from autotune.config import FsdpConfig
 from autotune.errors import UsageError
-from autotune.space import load_space, parse_space
+from autotune.study.space import load_space, parse_space
 
 
 def test_smoke_space_is_small():
@@ -51,7 +51,7 @@ def _write(tmp_path, text):
     "text, words",
     [
         ("fsdp_versoin: [1, 2]\n", ["unknown key 'fsdp_versoin'", "fsdp_version"]),
-        ("micro_batch_size: [one]\n", ["micro_batch_size", "'one'", "not a int", "any integer"]),
+        ("micro_batch_size: [one]\n", ["micro_batch_size", "'one'", "not an integer", "any integer"]),
         ("sharding_strategy: []\n", ["sharding_strategy", "empty"]),
         ("mixed_precision: [fp32, fp8]\n", ["mixed_precision", "'fp8'", "bf16_fp32_reduce"]),
         ("forward_prefetch: [maybe]\n", ["forward_prefetch", "'maybe'", "false, true"]),

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.launcher import launch_trial, process_tree
+from autotune.launch.launcher import launch_trial, process_tree
 
 pytestmark = pytest.mark.torchrun
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autotune.config import TrialRequest, write_json_atomic
+from autotune.config import TrialRequest, load_request, write_json_atomic
 from autotune.worker.failures import is_out_of_memory
 from autotune.worker.report import build_result
-from autotune.lifeline import die_with_parent
+from autotune.launch.lifeline import die_with_parent
 from autotune.worker.runtime import init_distributed
 
 # DTensor warns that its random ops on a CPU mesh are not rank-coordinated; the
@@ -66,15 +66,6 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
         write_json_atomic(trial_dir / "result.json", result.to_dict())
     dist.barrier()
     dist.destroy_process_group()
-
-
-def load_request(data: dict) -> TrialRequest:
-    """A trial's config.json, or an exported best configuration to reproduce."""
-    from autotune.export import SCHEMA, request_from_export
-
-    if isinstance(data, dict) and data.get("schema") == SCHEMA:
-        return request_from_export(data)
-    return TrialRequest.from_dict(data)
 
 
 def _failure_record(exc: BaseException, rank: int) -> dict:

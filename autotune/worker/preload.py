@@ -1,7 +1,7 @@
 """The fork server's process: ``python -m autotune.worker.preload SOCKET_PATH``.
 
 Imports what torchrun's agent and a rank need, once, then forks them on
-request (see :mod:`autotune.forkserver`). It must run no tensor op and never
+request (see :mod:`autotune.launch.forkserver`). It must run no tensor op and never
 touch CUDA: a forked child cannot use a CUDA context its parent created, and
 OpenMP's thread pool does not survive a fork once it has started.
 """
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     # Objects that exist now are never collected: a fork's pages stay shared
     # instead of being copied when the collector touches their headers.
     gc.freeze()
-    from autotune.forkserver import serve
+    from autotune.launch.forkserver import serve
 
     serve(argv[0])
     return 0

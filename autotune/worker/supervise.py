@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from autotune import forkserver
+from autotune.launch import forkserver
 from autotune.config import write_json_atomic
-from autotune.lifeline import die_with_parent
+from autotune.launch.lifeline import die_with_parent
 
 
 def start_rank(config: str, trial_dir: Path) -> tuple[Any, IO[bytes]]:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import optuna
 
-from autotune.study import best_feasible
+from autotune.study.record import Attr, StudyAttr, best_feasible
 from autotune.units import format_bytes
 
 
 def study_note(study: optuna.Study) -> str:
     """Markdown for the dashboard's study note: budget, best configuration, how to use it."""
-    identity = study.user_attrs.get("identity", {})
+    identity = study.user_attrs.get(StudyAttr.IDENTITY, {})
     budget = identity.get("budget_bytes")
     lines = [
         "## autotune",
         f"Model `{identity.get('model')}`, {identity.get('nproc')} ranks, seq len {identity.get('seq_len')}, "
-        f"budget **{study.user_attrs.get('budget')}** ({format_bytes(budget) if budget else '?'}) per rank. "
+        f"budget **{study.user_attrs.get(StudyAttr.BUDGET)}** ({format_bytes(budget) if budget else '?'}) per rank. "
         "Objective: tokens/s (maximize). Over-budget and out-of-memory trials are infeasible "
         "(constraint: peak memory - budget).",
     ]
@@ -23,12 +23,12 @@ def study_note(study: optuna.Study) -> str:
     if best is None:
         lines.append("\nNo feasible trial yet.")
     else:
-        peak = best.user_attrs.get("peak_memory_bytes", 0)
+        peak = best.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0)
         lines += [
             f"\n**Best so far: trial {best.number}**: {best.value:,.0f} tokens/s, peak {format_bytes(peak)}.",
-            f"\n`{best.user_attrs.get('label')}`",
+            f"\n`{best.user_attrs.get(Attr.LABEL)}`",
             "\n```json",
-            *[f"{k}: {v}" for k, v in sorted(best.user_attrs.get("config", {}).items())],
+            *[f"{k}: {v}" for k, v in sorted(best.user_attrs.get(Attr.CONFIG, {}).items())],
             "```",
             "\nExport it: `autotune export -f accelerate|hf|torchtitan|python|json`.",
         ]
@@ -45,6 +45,6 @@ def serve(storage_url: str, host: str, port: int) -> None:
     """Block serving optuna-dashboard; the storage is opened as the tuner opens it."""
     from optuna_dashboard import run_server
 
-    from autotune.storage import open_storage
+    from autotune.study.storage import open_storage
 
     run_server(open_storage(storage_url), host=host, port=port)

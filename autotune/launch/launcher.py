@@ -20,9 +20,9 @@ from typing import IO
 
 from autotune import interrupts
 from autotune.config import TrialRequest, TrialResult, write_json_atomic
-from autotune.devices import CUDA_MASK, cpu_cores, physical_ids
-from autotune.forkserver import ForkedProcess, ForkServer, spawn
-from autotune.lifeline import die_with_parent
+from autotune.launch.devices import CUDA_MASK, cpu_cores, physical_ids
+from autotune.launch.forkserver import ForkedProcess, ForkServer, spawn
+from autotune.launch.lifeline import die_with_parent
 
 # Seconds between SIGTERM and SIGKILL when a trial is stopped.
 KILL_GRACE_S = 5.0

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.study import is_feasible
+from autotune.study.record import Attr, StudyAttr, is_feasible
 from autotune.units import format_bytes
 
 
@@ -14,29 +14,29 @@ def trial_outcome(trial: FrozenTrial) -> str:
     """One word for how the trial ended, finer than Optuna's state."""
     attrs = trial.user_attrs
     if trial.state == TrialState.COMPLETE:
-        if attrs.get("cause") == "oom":
+        if attrs.get(Attr.CAUSE) == "oom":
             return "oom"
         return "ok" if is_feasible(trial) else "over-budget"
     if trial.state == TrialState.PRUNED:
-        return "stopped-early" if attrs.get("aborted") else "pruned"
+        return "stopped-early" if attrs.get(Attr.ABORTED) else "pruned"
     if trial.state == TrialState.FAIL:
-        return attrs.get("cause", "fail")
+        return attrs.get(Attr.CAUSE, "fail")
     return trial.state.name.lower()
 
 
 def trial_cause(trial: FrozenTrial, budget_bytes: int | None) -> str:
     """Why a trial is not a usable result (empty for a feasible one)."""
     attrs = trial.user_attrs
-    if "prune_reason" in attrs:
-        return attrs["prune_reason"]
-    if attrs.get("cause") == "oom":
-        return f"out of memory on rank {attrs.get('failed_rank')}"
+    if Attr.PRUNE_REASON in attrs:
+        return attrs[Attr.PRUNE_REASON]
+    if attrs.get(Attr.CAUSE) == "oom":
+        return f"out of memory on rank {attrs.get(Attr.FAILED_RANK)}"
     if trial.state == TrialState.FAIL:
-        error = (attrs.get("error") or "no result recorded (the tuner stopped during this trial?)").splitlines()[0]
-        log = attrs.get("log_path")
+        error = (attrs.get(Attr.ERROR) or "no result recorded (the tuner stopped during this trial?)").splitlines()[0]
+        log = attrs.get(Attr.LOG_PATH)
         return f"{error} [log: {log}]" if log else error
     if trial.state == TrialState.COMPLETE and not is_feasible(trial) and budget_bytes:
-        return f"peak {format_bytes(attrs.get('peak_memory_bytes', 0))} > budget {format_bytes(budget_bytes)}"
+        return f"peak {format_bytes(attrs.get(Attr.PEAK_MEMORY_BYTES, 0))} > budget {format_bytes(budget_bytes)}"
     return ""
 
 
@@ -46,16 +46,16 @@ def trial_record(trial: FrozenTrial, budget_bytes: int | None) -> dict[str, Any]
         "number": trial.number,
         "state": trial.state.name,
         "outcome": trial_outcome(trial),
-        "tokens_per_s": trial.value if trial.state == TrialState.COMPLETE else attrs.get("tokens_per_s_partial"),
-        "peak_memory_bytes": attrs.get("peak_memory_bytes"),
+        "tokens_per_s": trial.value if trial.state == TrialState.COMPLETE else attrs.get(Attr.TOKENS_PER_S_PARTIAL),
+        "peak_memory_bytes": attrs.get(Attr.PEAK_MEMORY_BYTES),
         "feasible": is_feasible(trial),
-        "config": attrs.get("config"),
-        "label": attrs.get("label"),
+        "config": attrs.get(Attr.CONFIG),
+        "label": attrs.get(Attr.LABEL),
         "cause": trial_cause(trial, budget_bytes),
-        "reused_from": attrs.get("reused_from"),
-        "baseline": bool(attrs.get("baseline")),
-        "wall_s": attrs.get("wall_s"),
-        "log_path": attrs.get("log_path"),
+        "reused_from": attrs.get(Attr.REUSED_FROM),
+        "baseline": bool(attrs.get(Attr.BASELINE)),
+        "wall_s": attrs.get(Attr.WALL_S),
+        "log_path": attrs.get(Attr.LOG_PATH),
     }
 
 

@@ -99,7 +99,7 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
 
     import optuna
 
-    from autotune.locks import exclusive
+    from autotune.launch.locks import exclusive
     from optuna.exceptions import ExperimentalWarning
     from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
@@ -127,7 +127,7 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
 
 
 def _storage_lock_path(url: str) -> Path:
-    from autotune.locks import lock_dir
+    from autotune.launch.locks import lock_dir
 
     return lock_dir() / f"storage-{hashlib.sha256(url.encode()).hexdigest()[:16]}.lock"
 
@@ -159,7 +159,7 @@ def _storage_class() -> type:
     from optuna.storages import RDBStorage
     from optuna.trial import TrialState
 
-    from autotune.locks import exclusive
+    from autotune.launch.locks import exclusive
 
     class HostSerializedRDBStorage(_deferring_interrupts(RDBStorage)):
         """RDBStorage whose WAITING -> RUNNING step is atomic across threads and processes.

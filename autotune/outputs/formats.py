@@ -16,8 +16,6 @@ import yaml
 
 from autotune.config import FsdpConfig
 
-FORMATS = ("json", "accelerate", "hf", "torchtitan", "python")
-
 _ACCELERATE_WRAP = {"transformer_layer": "TRANSFORMER_BASED_WRAP", "size_based": "SIZE_BASED_WRAP", "none": "NO_WRAP"}
 _MIXED = {"fp32": "no", "bf16": "bf16", "bf16_fp32_reduce": "bf16", "fp16": "fp16"}
 
@@ -214,6 +212,9 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], tuple[str, list[str]]]] = {
     "torchtitan": to_torchtitan,
     "python": to_python,
 }
+
+
+FORMATS = tuple(RENDERERS)
 
 
 def render(doc: dict[str, Any], fmt: str) -> tuple[str, list[str]]:

@@ -14,18 +14,16 @@ import sys
 from typing import Any
 
 from autotune import __version__
-from autotune.config import FsdpConfig, TrialRequest, write_text_atomic
-from autotune.storage import mask_url
-
-SCHEMA = "autotune.fsdp-config/v1"
-
+from autotune.config import SCHEMA, FsdpConfig, write_text_atomic
+from autotune.study.record import Attr, StudyAttr
+from autotune.study.storage import mask_url
 
 def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
     """The export document for one COMPLETE trial of a study."""
     attrs = trial.user_attrs
-    identity = study.user_attrs.get("identity", {})
-    host = study.user_attrs.get("host", {})
-    cfg = FsdpConfig.from_dict(attrs["config"])
+    identity = study.user_attrs.get(StudyAttr.IDENTITY, {})
+    host = study.user_attrs.get(StudyAttr.HOST, {})
+    cfg = FsdpConfig.from_dict(attrs[Attr.CONFIG])
     return {
         "schema": SCHEMA,
         "fsdp": cfg.to_dict(),
@@ -33,33 +31,25 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
         "seq_len": identity.get("seq_len"),
         "model": identity.get("model"),
         "measured": {
-            "tokens_per_s": attrs.get("tokens_per_s"),
-            "peak_memory_bytes": attrs.get("peak_memory_bytes"),
-            "memory_method": attrs.get("memory_method"),
-            "step_time_median_s": attrs.get("step_time_median_s"),
-            "step_time_cv": attrs.get("step_time_cv"),
-            "world_size": attrs.get("world_size"),
-            "device": attrs.get("device"),
-            "device_name": attrs.get("device_name"),
+            "tokens_per_s": attrs.get(Attr.TOKENS_PER_S),
+            "peak_memory_bytes": attrs.get(Attr.PEAK_MEMORY_BYTES),
+            "memory_method": attrs.get(Attr.MEMORY_METHOD),
+            "step_time_median_s": attrs.get(Attr.STEP_TIME_MEDIAN_S),
+            "step_time_cv": attrs.get(Attr.STEP_TIME_CV),
+            "world_size": attrs.get(Attr.WORLD_SIZE),
+            "device": attrs.get(Attr.DEVICE),
+            "device_name": attrs.get(Attr.DEVICE_NAME),
         },
-        "budget": {"memory_bytes": identity.get("budget_bytes"), "text": study.user_attrs.get("budget")},
+        "budget": {"memory_bytes": identity.get("budget_bytes"), "text": study.user_attrs.get(StudyAttr.BUDGET)},
         "study": {"name": study.study_name, "storage": mask_url(storage_url), "trial_number": trial.number},
         "environment": {
             "autotune_version": __version__,
-            "torch_version": attrs.get("torch_version") or host.get("torch_version"),
-            "transformers_version": attrs.get("transformers_version") or host.get("transformers_version"),
+            "torch_version": attrs.get(Attr.TORCH_VERSION) or host.get("torch_version"),
+            "transformers_version": attrs.get(Attr.TRANSFORMERS_VERSION) or host.get("transformers_version"),
             "python_version": platform.python_version(),
             "platform": platform.platform(),
         },
     }
-
-
-def request_from_export(doc: dict[str, Any], **overrides: Any) -> TrialRequest:
-    """The trial that reproduces an exported measurement."""
-    if doc.get("schema") != SCHEMA:
-        raise ValueError(f"not an {SCHEMA} document (schema={doc.get('schema')!r})")
-    fields = {"fsdp": doc["fsdp"], "model": doc["model"], "seq_len": doc["seq_len"], **overrides}
-    return TrialRequest(**fields)
 
 
 def write_export(doc: dict[str, Any], output: str | None) -> None:

@@ -1,9 +1,9 @@
-"""Predicted peak memory per rank, for pruning before launch and for ``autotune estimate``.
+"""The memory estimator's process: ``python -m autotune.worker.estimate --serve``, held by the driver.
 
-The prediction comes from the worker side (``python -m autotune.worker.estimate``,
-a fake training step; see there), run as one long-lived subprocess so the driver
-never imports torch and pays the imports once. This module adds the device
-margin and calibrates it against what the study has measured.
+The prediction comes from the worker side (a fake training step; see
+:mod:`autotune.worker.estimate`), run as one long-lived subprocess so the
+driver never imports torch and pays the imports once. The device margin on
+top of it is :mod:`autotune.study.margin`.
 """
 
 from __future__ import annotations
@@ -12,71 +12,18 @@ import json
 import os
 import select
 import signal
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from autotune import interrupts
 from autotune.config import FsdpConfig
-from autotune.lifeline import die_with_parent
+from autotune.launch.lifeline import die_with_parent
 
-# CUDA needs memory that no tensor accounts for: the context (about 0.5 GiB),
-# NCCL's buffers, and the caching allocator's rounding and fragmentation.
-CUDA_MARGIN_BYTES = int(1.5 * 2**30)
-CUDA_MARGIN_FACTOR = 1.10
-# Calibrate from the study only once it has this many measured trials.
-MIN_CALIBRATION_TRIALS = 3
 # How often a waiting estimate looks for a stop request from another thread.
 POLL_S = 0.25
-
-
-@dataclass(frozen=True)
-class Margin:
-    """Predicted device peak = tensor peak * factor + fixed bytes."""
-
-    factor: float
-    fixed_bytes: int
-    source: str
-
-    def apply(self, tensor_peak: int) -> int:
-        return int(tensor_peak * self.factor + self.fixed_bytes)
-
-
-def default_margin(device_type: str) -> Margin:
-    if device_type == "cuda":
-        return Margin(CUDA_MARGIN_FACTOR, CUDA_MARGIN_BYTES, "default CUDA margin")
-    # On CPU the trial measures the same quantity the estimator predicts.
-    return Margin(1.0, 0, "none (CPU trials measure tensor bytes too)")
-
-
-def calibrated_margin(pairs: Iterable[tuple[int, int]], device_type: str) -> Margin:
-    """The margin from (measured, predicted) pairs of this study, the default
-    until enough trials exist.
-
-    The fixed term (context, NCCL buffers) stays: the measured peak includes
-    that memory outside the allocator, so the factor fitted on top of it is
-    the largest ratio of what remains to the prediction, and a configuration
-    that fitted is never pruned by a model that under-predicts.
-    """
-    fixed = default_margin(device_type).fixed_bytes
-    ratios = [(m - fixed) / p for m, p in pairs if m and p]
-    if len(ratios) < MIN_CALIBRATION_TRIALS:
-        return default_margin(device_type)
-    factor = max(1.0, max(ratios))
-    return Margin(round(factor, 4), fixed, f"calibrated on {len(ratios)} trials (median ratio {statistics.median(ratios):.3f})"
-                  + (f" + {fixed / 2**30:.1f} GiB fixed" if fixed else ""))
-
-
-def memory_key(cfg: FsdpConfig) -> str:
-    """What decides the peak: the configuration less its all-gather rate limit,
-    which changes when host-side work waits, not what is allocated."""
-    data = cfg.to_dict()
-    data.pop("limit_all_gathers")
-    return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
 
 class EstimatorClient:

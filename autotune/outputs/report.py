@@ -8,22 +8,22 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.space import DIMENSIONS as SPACE_DIMENSIONS
-from autotune.study import CONSTRAINT_KEY, is_feasible, trial_config
+from autotune.config import SEARCH_FIELDS
+from autotune.study.record import CONSTRAINT_KEY, Attr, StudyAttr, is_feasible, trial_config
 from autotune.units import format_bytes
 
 FEASIBLE = "#1f77b4"
 INFEASIBLE = "#b0b0b0"
 # The search dimensions, as the space defines them; min_num_params is a number
 # within one wrap policy, not a choice worth a box plot of its own.
-DIMENSIONS = tuple(d.name for d in SPACE_DIMENSIONS if d.name != "min_num_params")
+DIMENSIONS = tuple(f.name for f in SEARCH_FIELDS if f.name != "min_num_params")
 
 
 def _measured(study: optuna.Study) -> list[FrozenTrial]:
     """Trials launched and measured (reused copies would count one run twice)."""
     return [
         t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if "reused_from" not in t.user_attrs and t.user_attrs.get("config")
+        if Attr.REUSED_FROM not in t.user_attrs and t.user_attrs.get(Attr.CONFIG)
     ]
 
 
@@ -42,14 +42,14 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
 
     fig = go.Figure()
     for feasible, color, name in ((True, FEASIBLE, "fits the budget"), (False, INFEASIBLE, "over budget / out of memory")):
-        group = [t for t in trials if is_feasible(t) == feasible and t.user_attrs.get("peak_memory_bytes")]
+        group = [t for t in trials if is_feasible(t) == feasible and t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
         fig.add_trace(go.Scatter(
-            x=[t.user_attrs["peak_memory_bytes"] / 2**30 for t in group], y=[t.value for t in group],
+            x=[t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30 for t in group], y=[t.value for t in group],
             mode="markers", name=name, marker={"color": color, "size": 9},
-            text=[f"#{t.number} {t.user_attrs.get('label')}" for t in group], hovertemplate="%{text}<br>%{y:,.0f} tok/s, %{x:.3g} GiB<extra></extra>",
+            text=[f"#{t.number} {t.user_attrs.get(Attr.LABEL)}" for t in group], hovertemplate="%{text}<br>%{y:,.0f} tok/s, %{x:.3g} GiB<extra></extra>",
         ))
-    front = pareto_front([(t.user_attrs["peak_memory_bytes"] / 2**30, t.value, t.number)
-                          for t in trials if is_feasible(t) and t.user_attrs.get("peak_memory_bytes")])
+    front = pareto_front([(t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30, t.value, t.number)
+                          for t in trials if is_feasible(t) and t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)])
     if front:
         fig.add_trace(go.Scatter(x=[p[0] for p in front], y=[p[1] for p in front], mode="lines+markers",
                                  name="Pareto front (feasible)", line={"color": "#d62728", "shape": "hv"},
@@ -57,7 +57,7 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
     if budget:
         fig.add_vline(x=budget / 2**30, line_dash="dash", line_color="black",
                       annotation_text=f"budget {format_bytes(budget)}", annotation_position="top left")
-    peaks = [t.user_attrs["peak_memory_bytes"] for t in trials if t.user_attrs.get("peak_memory_bytes")]
+    peaks = [t.user_attrs[Attr.PEAK_MEMORY_BYTES] for t in trials if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
     if budget and peaks and budget > 10 * max(peaks):
         # Far under budget, a linear axis squeezes every point against zero.
         fig.update_xaxes(type="log")
@@ -130,8 +130,8 @@ def top_table(trials: list[FrozenTrial], limit: int = 10):
     fig = go.Figure(go.Table(
         header={"values": ["#", "tokens/s", "peak", "configuration"], "align": "left"},
         cells={"values": [[t.number for t in best], [f"{t.value:,.0f}" for t in best],
-                          [format_bytes(t.user_attrs["peak_memory_bytes"]) for t in best],
-                          [t.user_attrs.get("label") for t in best]], "align": "left"},
+                          [format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES]) for t in best],
+                          [t.user_attrs.get(Attr.LABEL) for t in best]], "align": "left"},
         columnwidth=[1, 2, 2, 12],
     ))
     fig.update_layout(title=f"Top {len(best)} feasible configurations", height=120 + 30 * max(1, len(best)))
@@ -141,7 +141,7 @@ def top_table(trials: list[FrozenTrial], limit: int = 10):
 def build_report(study: optuna.Study) -> str:
     """The whole report as one HTML string."""
     trials = _measured(study)
-    budget = study.user_attrs.get("identity", {}).get("budget_bytes")
+    budget = study.user_attrs.get(StudyAttr.IDENTITY, {}).get("budget_bytes")
     figures = [speed_memory_figure(trials, budget), history_figure(study), dimension_figure(trials)]
     importance, importance_note = importance_figure(study)
     figures += [importance, top_table(trials)]
@@ -156,7 +156,7 @@ def build_report(study: optuna.Study) -> str:
     infeasible = sum(1 for t in trials if not is_feasible(t))
     summary = (
         f"{len(study.trials)} trials: {counts['complete']} complete ({infeasible} of them over budget), "
-        f"{counts['pruned']} pruned, {counts['fail']} failed. Budget {study.user_attrs.get('budget', '?')} per rank. "
+        f"{counts['pruned']} pruned, {counts['fail']} failed. Budget {study.user_attrs.get(StudyAttr.BUDGET, '?')} per rank. "
         f"Constraint: {CONSTRAINT_KEY} = peak memory - budget."
     )
     note = f"<p><em>{html.escape(importance_note)}</em></p>" if importance_note else ""

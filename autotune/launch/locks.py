@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from autotune import interrupts
-from autotune.devices import physical_ids
+from autotune.launch.devices import physical_ids
 
 POLL_S = 0.5
 

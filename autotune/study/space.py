@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from autotune import config as vocab
-from autotune.config import FsdpConfig
+from autotune.config import SEARCH_FIELD, SEARCH_FIELDS, FsdpConfig, SearchField
 from autotune.errors import UsageError
 
 
@@ -37,33 +37,6 @@ def builtin_spaces_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class Dimension:
-    name: str
-    # Allowed values, or None for "any integer >= 1".
-    allowed: tuple | None
-    kind: type
-    # When this dimension is drawn, given the choices made before it.
-    applies: Callable[[dict[str, Any]], bool] = lambda picked: True
-
-
-# In drawing order: a dimension's condition may only look at earlier ones.
-DIMENSIONS: tuple[Dimension, ...] = (
-    Dimension("fsdp_version", vocab.FSDP_VERSIONS, int),
-    Dimension("sharding_strategy", vocab.SHARDING_STRATEGIES, str),
-    Dimension("auto_wrap_policy", vocab.AUTO_WRAP_POLICIES, str),
-    Dimension("min_num_params", None, int, lambda p: p["auto_wrap_policy"] == "size_based"),
-    Dimension("mixed_precision", vocab.MIXED_PRECISIONS, str),
-    Dimension("activation_checkpointing", vocab.ACTIVATION_CHECKPOINTING, str),
-    Dimension("forward_prefetch", (False, True), bool),
-    Dimension("backward_prefetch", vocab.BACKWARD_PREFETCH, str, lambda p: p["fsdp_version"] == 1),
-    Dimension("limit_all_gathers", (False, True), bool, lambda p: p["fsdp_version"] == 1),
-    Dimension("cpu_offload", (False, True), bool),
-    Dimension("micro_batch_size", None, int),
-)
-_BY_NAME = {d.name: d for d in DIMENSIONS}
-
-
-@dataclass(frozen=True)
 class SearchSpace:
     path: str
     choices: dict[str, tuple]
@@ -74,9 +47,9 @@ class SearchSpace:
         text = json.dumps({k: list(v) for k, v in self.choices.items()}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def _walk(self, pick: Callable[[Dimension, tuple], Any], fixed: dict[str, Any]) -> dict[str, Any]:
+    def _walk(self, pick: Callable[[SearchField, tuple], Any], fixed: dict[str, Any]) -> dict[str, Any]:
         picked: dict[str, Any] = {}
-        for dim in DIMENSIONS:
+        for dim in SEARCH_FIELDS:
             drawn = dim.name in self.choices and dim.applies(picked)
             if dim.name in fixed:
                 # A fixed value is drawn through the sampler when the space offers
@@ -95,7 +68,7 @@ class SearchSpace:
         ``fixed`` holds an enqueued trial's values, which win over the space.
         """
 
-        def pick(dim: Dimension, options: tuple) -> Any:
+        def pick(dim: SearchField, options: tuple) -> Any:
             if len(options) == 1:
                 return options[0]
             return trial.suggest_categorical(dim.name, list(options))
@@ -107,10 +80,10 @@ class SearchSpace:
         configs: list[FsdpConfig] = []
 
         def expand(prefix: dict[str, Any], index: int) -> Iterator[dict[str, Any]]:
-            if index == len(DIMENSIONS):
+            if index == len(SEARCH_FIELDS):
                 yield dict(prefix)
                 return
-            dim = DIMENSIONS[index]
+            dim = SEARCH_FIELDS[index]
             if dim.name in self.choices and dim.applies(prefix):
                 options = self.choices[dim.name]
             else:
@@ -133,32 +106,23 @@ def resolve_space_path(value: str) -> Path:
     return builtin_spaces_dir() / f"{value}.yaml"
 
 
-def _check_value(path: str, dim: Dimension, value: Any) -> None:
-    allowed = "any integer >= 1" if dim.allowed is None else ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in dim.allowed)
-    ok_type = isinstance(value, dim.kind) and not (dim.kind is int and isinstance(value, bool))
-    if not ok_type:
-        raise UsageError(f"{path}: {dim.name}: {value!r} is not a {dim.kind.__name__}; allowed values: {allowed}")
-    if dim.allowed is None:
-        if value < 1:
-            raise UsageError(f"{path}: {dim.name}: {value!r} is not allowed; allowed values: {allowed}")
-    elif value not in dim.allowed:
-        raise UsageError(f"{path}: {dim.name}: {value!r} is not allowed; allowed values: {allowed}")
-
-
 def parse_space(data: Any, path: str) -> SearchSpace:
     """Validate loaded YAML; every problem is one UsageError naming file, key and fix."""
     if not isinstance(data, dict) or not data:
         raise UsageError(f"{path}: a search space is a mapping of field names to lists of choices, e.g. 'fsdp_version: [1, 2]'")
     choices: dict[str, tuple] = {}
     for key, value in data.items():
-        dim = _BY_NAME.get(key)
+        dim = SEARCH_FIELD.get(key)
         if dim is None:
-            raise UsageError(f"{path}: unknown key {key!r}; allowed keys: {', '.join(_BY_NAME)}")
+            raise UsageError(f"{path}: unknown key {key!r}; allowed keys: {', '.join(SEARCH_FIELD)}")
         options = value if isinstance(value, list) else [value]
         if not options:
             raise UsageError(f"{path}: {key}: the list of choices is empty; give at least one value")
         for option in options:
-            _check_value(path, dim, option)
+            try:
+                dim.check(option)
+            except vocab.ConfigError as exc:
+                raise UsageError(f"{path}: {exc}") from None
         if len(set(options)) != len(options):
             raise UsageError(f"{path}: {key}: {options} repeats a choice; list each value once")
         choices[key] = tuple(options)

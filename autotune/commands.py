@@ -1,0 +1,256 @@
+"""What each ``autotune`` command does, once :mod:`autotune.cli` has parsed its flags.
+
+Imports stay inside the commands: ``autotune --help`` loads neither torch nor
+optuna, and bad input is refused before any of them is needed. Every bad
+value is a :class:`~autotune.errors.UsageError` (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from autotune.errors import UsageError
+from autotune.study.storage import DEFAULT_STORAGE
+
+
+def parse_slot(text: str, device_count: int) -> tuple[int, ...]:
+    """``0,1`` or ``0-3`` (or a mix) to sorted device indices, checked against the host."""
+    devices: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            devices.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise UsageError(f"--devices {text}: write device indices like 0,1 or 0-3") from None
+    if not devices:
+        raise UsageError(f"--devices {text}: the slot holds no device")
+    bad = sorted(d for d in devices if not 0 <= d < device_count)
+    if bad:
+        raise UsageError(f"--devices {text}: device {bad[0]} does not exist; this host has devices 0-{device_count - 1}")
+    return tuple(sorted(devices))
+
+
+def _check_nproc(nproc: int, host: Any) -> None:
+    if nproc > host.device_count:
+        what = f"{host.cuda_device_count} GPUs" if host.device_type == "cuda" else f"{host.cpu_count} CPU cores and no GPU"
+        raise UsageError(f"--nproc {nproc}: this host has {what}; use --nproc {host.device_count} or fewer")
+
+
+def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """Check every flag of ``autotune run`` (the host probe included) and return (settings, host, model)."""
+    from autotune.launch.host import probe
+    from autotune.presets import choose_seq_len, parse_model_spec
+    from autotune.study import RunSettings, check_resumable, default_study_name
+    from autotune.study.space import load_space
+    from autotune.study.storage import check_storage_url
+    from autotune.units import parse_memory
+
+    budget = parse_memory(args.mem_budget)
+    spec = parse_model_spec(args.model)
+    space = load_space(args.space)
+    check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
+    host, model = probe(args.model, tuple(args.wrap_class))
+    nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
+    _check_nproc(nproc, host)
+    seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
+    if seq_note and not args.quiet:
+        print(f"autotune run: {seq_note}", file=sys.stderr)
+    slots = tuple(parse_slot(text, host.device_count) for text in args.devices)
+    small = next((slot for slot in slots if len(slot) < nproc), None) if host.device_type == "cuda" else None
+    if small is not None:
+        raise UsageError(f"--devices {','.join(map(str, small))}: a slot needs at least --nproc {nproc} GPUs")
+    budget_text = args.mem_budget.replace(" ", "")
+    settings = RunSettings(
+        model=args.model if spec.kind != "config_file" else spec.value, model_label=spec.label, nproc=nproc,
+        seq_len=seq_len, budget_bytes=budget, budget_text=budget_text, space=space, trials=args.trials,
+        trial_timeout_s=args.trial_timeout,
+        study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text),
+        storage_url=args.storage, seed=args.seed, warmup_steps=args.warmup_steps, timed_steps=args.timed_steps,
+        timing_ci=args.timing_ci, quiet=args.quiet, device_type=host.device_type, slots=slots,
+        use_estimate=not args.no_estimate,
+    )
+    check_resumable(settings)
+    return settings, host, model
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from autotune.outputs.dashboard import update_study_note
+    from autotune.outputs.summary import summarize
+    from autotune.study import run_study
+    from autotune.study.storage import mask_url, prepare_storage
+
+    settings, host, model = run_settings(args)
+    prepare_storage(settings.storage_url)
+    if not args.quiet:
+        print(f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "
+              f"on {settings.nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {settings.seq_len}, "
+              f"budget {settings.budget_text} per rank; study {settings.study_name} in {mask_url(settings.storage_url)}",
+              file=sys.stderr)
+    run = run_study(settings, host, model, on_trial_complete=update_study_note)
+    if run.interrupted is not None:
+        print(f"Interrupted by {run.interrupted.name}: the trial in progress was stopped and queued to run again; "
+              "rerun the same command to resume. The study so far:")
+    code = summarize(run, settings)
+    return run.interrupted.exit_code if run.interrupted is not None else code
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import random
+
+    from autotune.launch.estimator import EstimatorClient
+    from autotune.launch.host import probe
+    from autotune.outputs.estimates import estimate_rows, estimates_json, estimates_table
+    from autotune.presets import choose_seq_len, parse_model_spec
+    from autotune.study.margin import default_margin
+    from autotune.study.space import load_space
+    from autotune.units import format_bytes, parse_memory
+
+    budget = parse_memory(args.mem_budget)
+    spec = parse_model_spec(args.model)
+    space = load_space(args.space)
+    if args.nproc % args.nnodes:
+        raise UsageError(f"--nproc {args.nproc} is not a multiple of --nnodes {args.nnodes}; give ranks that the nodes share evenly")
+    _, model = probe(args.model, tuple(args.wrap_class))
+    seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
+    if seq_note:
+        print(f"autotune estimate: {seq_note}", file=sys.stderr)
+    configs = [c for c in space.enumerate(model.layer_classes) if not (c.is_hybrid and args.nnodes < 2)]
+    limit = args.limit or (len(configs) if len(configs) <= 64 else 64)
+    if limit < len(configs):
+        configs = random.Random(args.seed).sample(configs, limit)
+    margin = default_margin(args.device)
+    client = EstimatorClient(spec.value if spec.kind == "config_file" else args.model, args.nproc, args.nnodes, seq_len)
+    progress = None if args.format == "json" else (
+        lambda i, cfg: print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True))
+    try:
+        rows = estimate_rows(client.estimate, configs, margin, budget, progress)
+    finally:
+        client.close()
+    if args.format == "json":
+        print(estimates_json(rows, {"model": args.model, "world_size": args.nproc, "nnodes": args.nnodes,
+                                    "seq_len": seq_len, "budget_bytes": budget}, margin))
+        return 0
+    print(f"{model.class_name} ({model.num_params / 1e9:.2f}B params), world size {args.nproc} on {args.nnodes} node(s), "
+          f"seq len {seq_len}, budget {args.mem_budget} = {format_bytes(budget)} per rank; margin: {margin.source}.")
+    print(estimates_table(rows))
+    return 0
+
+
+def _open_study(args: argparse.Namespace):
+    import optuna
+
+    from autotune.study.storage import check_storage_url, open_storage, resolve_study_name
+
+    check_storage_url(args.storage, create_dirs=False)
+    name = resolve_study_name(args.storage, args.study_name)
+    return optuna.load_study(study_name=name, storage=open_storage(args.storage))
+
+
+def cmd_trials(args: argparse.Namespace) -> int:
+    from autotune.outputs.tables import trial_record, trials_table
+    from autotune.study.record import StudyAttr
+
+    study = _open_study(args)
+    budget = study.user_attrs.get(StudyAttr.IDENTITY, {}).get("budget_bytes")
+    records = [trial_record(t, budget) for t in study.get_trials(deepcopy=False)]
+    if args.format == "json":
+        print(json.dumps({"study": study.study_name, "budget_bytes": budget, "trials": records}, indent=2))
+    else:
+        print(f"Study {study.study_name} (budget {study.user_attrs.get(StudyAttr.BUDGET)}): {len(records)} trials")
+        print(trials_table(records))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from optuna.trial import TrialState
+
+    from autotune.outputs.export import build_export, write_text
+    from autotune.outputs.formats import render
+    from autotune.study.record import Attr, best_feasible
+
+    study = _open_study(args)
+    if args.trial is None:
+        trial = best_feasible(study)
+        if trial is None:
+            raise UsageError(f"study {study.study_name} has no feasible trial yet; see 'autotune trials'")
+    else:
+        matches = [t for t in study.get_trials(deepcopy=False) if t.number == args.trial]
+        if not matches or matches[0].state != TrialState.COMPLETE or Attr.TOKENS_PER_S not in matches[0].user_attrs:
+            raise UsageError(f"--trial {args.trial}: no measured trial with that number in {study.study_name}")
+        trial = matches[0]
+    text, notes = render(build_export(study, trial, args.storage), args.format)
+    for note in notes:
+        print(f"autotune export: {args.format} cannot express {note}", file=sys.stderr)
+    write_text(text, args.output)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from autotune.outputs.export import write_text
+    from autotune.outputs.report import build_report
+    from autotune.study.storage import study_dir
+
+    study = _open_study(args)
+    output = args.output or str(study_dir(args.storage, study.study_name) / "report.html")
+    write_text(build_report(study), output)
+    print(f"wrote {output}")
+    return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from autotune.outputs.dashboard import serve, update_study_note
+    from autotune.study.storage import mask_url
+
+    study = _open_study(args) if args.study_name else None
+    if study is not None:
+        update_study_note(study)
+    print(f"optuna-dashboard on {mask_url(args.storage)}: http://{args.host}:{args.port}/dashboard/ (Ctrl-C stops it)",
+          flush=True)
+    serve(args.storage, args.host, args.port)
+    return 0
+
+
+def _read_measurable(path: str, nproc: int | None) -> tuple[Any, int]:
+    """An exported configuration or a trial's config.json, and the ranks to measure it on."""
+    from pathlib import Path
+
+    from autotune.config import ConfigError, load_request
+
+    try:
+        doc = json.loads(Path(path).read_text())
+        request = load_request(doc)
+    except (OSError, json.JSONDecodeError, ConfigError, KeyError, TypeError) as exc:
+        raise UsageError(f"{path}: not an exported configuration or trial config ({exc})") from None
+    measured = doc.get("measured", {}) if isinstance(doc, dict) else {}
+    return request, nproc or measured.get("world_size") or 2
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from autotune.launch import host as host_probe
+    from autotune.launch import launcher
+    from autotune.launch.locks import device_slot
+
+    request, nproc = _read_measurable(args.file, args.nproc)
+    trial_dir = Path(args.output_dir or tempfile.mkdtemp(prefix="autotune-measure-"))
+    host, _ = host_probe.probe(request.model, request.fsdp.transformer_layer_cls)
+    _check_nproc(nproc, host)
+    # Held like a trial's: a tuner on this host does not time its trials meanwhile.
+    with device_slot(host.device_type, [tuple(range(host.device_count))]) as slot:
+        outcome = launcher.launch_trial(request, trial_dir, nproc, args.trial_timeout, host.device_type, devices=slot)
+    result = outcome.result
+    print(json.dumps({"status": result.status, "tokens_per_s": result.tokens_per_s, "peak_memory_bytes": result.peak_memory_bytes,
+                      "step_time_cv": result.step_time_cv, "wall_s": round(outcome.wall_s, 2), "trial_dir": str(trial_dir),
+                      "error": result.error}, indent=2))
+    return 0 if result.status == "ok" else 1
+
+
+COMMANDS = {
+    "run": cmd_run, "estimate": cmd_estimate, "trials": cmd_trials, "export": cmd_export, "report": cmd_report,
+    "dashboard": cmd_dashboard, "measure": cmd_measure,
+}

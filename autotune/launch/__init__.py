@@ -1,0 +1,9 @@
+"""Launching trials (standard library only, no torch, no optuna).
+
+``launcher`` runs one trial as one torchrun job and classifies how it ended;
+``forkserver`` forks trial processes from a pre-imported interpreter;
+``locks`` holds device slots and critical sections across the tuners of a
+host; ``devices`` names a slot's physical devices; ``lifeline`` ties a
+process's life to its parent's; ``host`` asks the probe what the host and the
+model are; ``estimator`` holds the fake-step memory estimator's process.
+"""

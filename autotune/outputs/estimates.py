@@ -1,0 +1,68 @@
+"""``autotune estimate``'s answer: each configuration's predicted peak, and the largest micro batch that fits."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from autotune.config import FsdpConfig
+from autotune.outputs.tables import format_table
+from autotune.study.margin import Margin
+from autotune.units import format_bytes
+
+BREAKDOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+def estimate_rows(estimate: Callable[[FsdpConfig], dict[str, Any]], configs: list[FsdpConfig], margin: Margin,
+                  budget_bytes: int, progress: Callable[[int, FsdpConfig], None] | None = None) -> list[dict[str, Any]]:
+    """One row per configuration, smallest predicted peak first: a numeric
+    peak, or an ``error`` naming why it could not be estimated."""
+    rows = []
+    for i, cfg in enumerate(configs):
+        if progress is not None:
+            progress(i, cfg)
+        result = estimate(cfg)
+        if "error" in result:
+            rows.append({"config": cfg.to_dict(), "label": cfg.describe(), "error": result["error"]})
+            continue
+        device_peak = margin.apply(result["peak_bytes"])
+        rows.append({"config": cfg.to_dict(), "label": cfg.describe(), "tensor_peak_bytes": result["peak_bytes"],
+                     "predicted_peak_bytes": device_peak, "fits": device_peak <= budget_bytes,
+                     "breakdown": result["breakdown"], "method": result["method"], "seconds": result["seconds"]})
+    rows.sort(key=lambda r: r.get("predicted_peak_bytes", float("inf")))
+    return rows
+
+
+def largest_micro_batch(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
+    """For each sharding x checkpointing x precision: the largest micro batch predicted to fit (0: none)."""
+    largest: dict[tuple[str, str, str], int] = {}
+    for r in rows:
+        c = r["config"]
+        group = (c["sharding_strategy"], c["activation_checkpointing"], c["mixed_precision"])
+        largest.setdefault(group, 0)
+        if r.get("fits"):
+            largest[group] = max(largest[group], c["micro_batch_size"])
+    return largest
+
+
+def estimates_json(rows: list[dict[str, Any]], header: dict[str, Any], margin: Margin) -> str:
+    largest = largest_micro_batch(rows)
+    return json.dumps({**header, "margin": vars(margin), "configurations": rows,
+                       "largest_micro_batch": [{"sharding_strategy": g[0], "activation_checkpointing": g[1],
+                                                "mixed_precision": g[2], "micro_batch_size": m}
+                                               for g, m in sorted(largest.items())]}, indent=2)
+
+
+def estimates_table(rows: list[dict[str, Any]]) -> str:
+    def cells(r: dict[str, Any]) -> list[Any]:
+        if "error" in r:
+            return ["-", "?", "", "", "", "", "", f"{r['label']} (estimate failed: {r['error']})"]
+        return [format_bytes(r["predicted_peak_bytes"]), "yes" if r["fits"] else "NO",
+                *(format_bytes(r["breakdown"].get(k, 0)) for k in BREAKDOWN), r["label"]]
+
+    table = format_table(["predicted", "fits", "params", "grads", "optim", "activ", "temp", "configuration"],
+                         [cells(r) for r in rows], right=(0, 2, 3, 4, 5, 6))
+    largest = format_table(["sharding", "checkpointing", "precision", "micro batch"],
+                           [[g[0], g[1], g[2], m or "none fits"] for g, m in sorted(largest_micro_batch(rows).items())],
+                           right=(3,))
+    return f"{table}\n\nLargest micro batch that fits, among the configurations estimated:\n{largest}"

@@ -1,0 +1,124 @@
+"""The end of a run: what won, by how much, and whether anything fits at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from optuna.trial import TrialState
+
+from autotune.outputs.export import build_export, write_export
+from autotune.outputs.tables import format_table
+from autotune.study.gate import GatePlan
+from autotune.study.identity import RunSettings
+from autotune.study.record import Attr, best_feasible, crash_signature, first_line, is_feasible
+from autotune.study.runner import RunOutcome
+from autotune.study.storage import study_dir
+from autotune.units import format_bytes
+
+TOP_N = 5
+
+
+def summarize(run: RunOutcome, settings: RunSettings) -> int:
+    """Print the summary, write ``best_config.json``; return the exit status
+    (0, or 1 when no configuration fits the budget or none could be measured)."""
+    study, counts = run.study, run.counts
+    trials = study.get_trials(deepcopy=False)
+    print(
+        f"Study {study.study_name}: {counts.launched} trials launched in {run.elapsed_s:.0f}s this run, "
+        f"{counts.pruned} pruned before launch, {counts.reused} reused earlier measurements, "
+        f"{counts.aborted} stopped early, {counts.failed} failed; {len(trials)} trials in the study."
+    )
+    if settings.use_estimate:
+        print(f"The memory estimate saved {counts.predicted_over} launches of configurations predicted over budget.")
+    best = best_feasible(study)
+    if best is None:
+        print(explain_no_result(trials, run.plan, settings))
+        return 1
+    print_top(trials, settings)
+    print_best(best, trials, settings)
+    path = best_config_path(settings.storage_url, study.study_name)
+    write_export(build_export(study, best, settings.storage_url), str(path))
+    print(f"  wrote {path}")
+    return 0
+
+
+def print_top(trials: list, settings: RunSettings) -> None:
+    """The fastest feasible configurations, each once."""
+    feasible = sorted((t for t in trials if is_feasible(t)), key=lambda t: -t.value)
+    seen, top = set(), []
+    for t in feasible:
+        label = t.user_attrs.get(Attr.LABEL)
+        if label not in seen:
+            seen.add(label)
+            top.append(t)
+    rows = [
+        [t.number, f"{t.value:,.0f}", format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES]), t.user_attrs.get(Attr.LABEL)]
+        for t in top[:TOP_N]
+    ]
+    print(f"\nTop configurations (budget {settings.budget_text} = {format_bytes(settings.budget_bytes)} per rank):")
+    print(format_table(["#", "tokens/s", "peak", "configuration"], rows, right=(0, 1, 2)))
+
+
+def print_best(best, trials: list, settings: RunSettings) -> None:
+    peak = best.user_attrs[Attr.PEAK_MEMORY_BYTES]
+    print(f"\nBest: trial #{best.number}: {best.user_attrs.get(Attr.LABEL)}")
+    print(f"  {best.value:,.0f} tokens/s, peak {format_bytes(peak)} = {100 * peak / settings.budget_bytes:.1f}% "
+          f"of the {settings.budget_text} budget")
+    baseline = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.BASELINE)), None)
+    if baseline is not None and baseline.value:
+        print(f"  {best.value / baseline.value:.2f}x the baseline (trial #{baseline.number}, "
+              f"{baseline.user_attrs.get(Attr.LABEL)}: {baseline.value:,.0f} tokens/s)")
+
+
+def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> str:
+    """Why the study has no feasible trial: nothing fits (measured, out of
+    memory, or predicted), or nothing could be measured at all (crashes,
+    timeouts), which is never called "nothing fits"."""
+    budget, text = settings.budget_bytes, settings.budget_text
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    peaks = [(t.user_attrs[Attr.PEAK_MEMORY_BYTES], t) for t in complete if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
+    failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) in ("crash", "timeout")]
+    if peaks:
+        smallest, trial = min(peaks, key=lambda p: p[0])
+        return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest peak seen was "
+                f"{format_bytes(smallest)} (trial #{trial.number}, {trial.user_attrs.get(Attr.LABEL)}). Raise --mem-budget, "
+                "or add memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, "
+                "cpu_offload on GPUs) to the space.")
+    if any(t.user_attrs.get(Attr.CAUSE) == "oom" for t in complete):
+        ooms = sum(t.user_attrs.get(Attr.CAUSE) == "oom" for t in complete)
+        return (f"No configuration fits in {text}: all {ooms} configurations that ran went out of memory. Add "
+                "memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, cpu_offload) "
+                "or use more devices.")
+    if failed:
+        return explain_failures(failed)
+    predicted = [t for t in trials if t.user_attrs.get(Attr.PREDICTED_DEVICE_PEAK_BYTES)]
+    if predicted:
+        trial = min(predicted, key=lambda t: t.user_attrs[Attr.PREDICTED_DEVICE_PEAK_BYTES])
+        return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest predicted peak was "
+                f"{format_bytes(trial.user_attrs[Attr.PREDICTED_DEVICE_PEAK_BYTES])} (trial #{trial.number}, "
+                f"{trial.user_attrs.get(Attr.LABEL)}), so nothing was launched. Raise --mem-budget, or add memory-saving "
+                "choices to the space; --no-estimate launches them anyway.")
+    if plan.mbs_cap == 0 and plan.frugal is not None:
+        cfg, peak = plan.frugal
+        return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest predicted peak was "
+                f"{format_bytes(peak)} ({cfg.describe()}, the most frugal choices of the space), so nothing was "
+                "launched. Raise --mem-budget; --no-estimate launches them anyway.")
+    return "No trial finished with a measurement yet; see 'autotune trials'."
+
+
+def explain_failures(failed: list) -> str:
+    """Every launched trial failed: with one shared error, that error and a log to read."""
+    signatures = {crash_signature(t.user_attrs.get(Attr.ERROR)) for t in failed}
+    log = failed[-1].user_attrs.get(Attr.LOG_PATH)
+    if len(signatures) == 1:
+        causes = {t.user_attrs.get(Attr.CAUSE) for t in failed}
+        verb = "crashed" if causes == {"crash"} else "failed"
+        return (f"Every trial {verb} ({len(failed)} of them), with the same error: "
+                f"{first_line(failed[-1].user_attrs.get(Attr.ERROR))} [log: {log}]. "
+                "Nothing was measured, so this says nothing about what fits; fix the error and rerun.")
+    return (f"No trial finished with a measurement: {len(failed)} failed with {len(signatures)} different errors, "
+            f"the last: {first_line(failed[-1].user_attrs.get(Attr.ERROR))} [log: {log}]. See 'autotune trials'.")
+
+
+def best_config_path(storage_url: str, study_name: str) -> Path:
+    return study_dir(storage_url, study_name) / "best_config.json"

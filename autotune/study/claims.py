@@ -1,0 +1,151 @@
+"""Measure each configuration once, across every tuner on the study, and clean up after dead ones.
+
+Before a launch the objective claims its configuration: an earlier trial
+whose answer would not change is reused, a live trial measuring it right now
+is waited for, and otherwise this trial takes the claim. A tuner that died
+leaves its RUNNING trial behind; the next tuner fails it and queues it again.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune import interrupts
+from autotune.config import FsdpConfig
+from autotune.launch.lifeline import process_alive, process_start_ticks
+from autotune.launch.locks import exclusive
+from autotune.study.baseline import as_params
+from autotune.study.record import Attr, trial_config
+
+# Seconds between looks at a trial another tuner is measuring.
+WAIT_POLL_S = 1.0
+
+
+def runner_identity() -> dict[str, Any]:
+    """Which process runs a trial: host, pid and the pid's start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_ticks(os.getpid())}
+
+
+def runner_alive(trial: FrozenTrial) -> bool:
+    """False only when the trial's tuner ran on this host and is gone; on
+    another host the heartbeat decides."""
+    runner = trial.user_attrs.get(Attr.RUNNER)
+    if not runner or runner.get("host") != socket.gethostname():
+        return True
+    return process_alive(runner["pid"]) and process_start_ticks(runner["pid"]) == runner.get("start")
+
+
+class Claims:
+    """The claim to measure a configuration, atomic across the tuners of this host."""
+
+    def __init__(self, study: optuna.Study, lock_path: Path, wait_s: float) -> None:
+        self.study = study
+        self.lock_path = lock_path
+        # How long a trial another tuner runs may take before it is not waited for.
+        self.wait_s = wait_s
+
+    def claim(self, trial: optuna.Trial, cfg: FsdpConfig, on_wait: Callable[[FrozenTrial], None]) -> FrozenTrial | None:
+        """An earlier trial to reuse, or None once ``trial`` holds the claim."""
+        while True:
+            with exclusive(self.lock_path):
+                previous, running = self.already_measured(cfg, trial.number)
+                if previous is None and running is None:
+                    trial.set_user_attr(Attr.CLAIMED, True)
+                    return None
+            if previous is not None:
+                return previous
+            on_wait(running)
+            self.wait_for(running)
+
+    def already_measured(self, cfg: FsdpConfig, number: int) -> tuple[FrozenTrial | None, FrozenTrial | None]:
+        """An earlier trial of the same configuration whose answer would not
+        change (measured, stopped early as hopeless, or crashed: a crash from
+        the configuration itself repeats, a timeout may not, so it is retried),
+        and a live trial measuring it right now."""
+        key = cfg.key()
+        finished, running = None, None
+        for t in self.study.get_trials(deepcopy=False):
+            if t.number == number or trial_config(t) is None or trial_config(t).key() != key:
+                continue
+            if t.state == TrialState.RUNNING:
+                if t.user_attrs.get(Attr.CLAIMED) and runner_alive(t):
+                    running = t
+                continue
+            if t.state == TrialState.PRUNED and not t.user_attrs.get(Attr.ABORTED):
+                continue
+            if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) != "crash":
+                continue
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
+                finished = finished or t
+        return finished, running
+
+    def wait_for(self, other: FrozenTrial) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            interrupts.check()
+            current = self.study._storage.get_trial(other._trial_id)
+            if current.state.is_finished() or not runner_alive(current):
+                return
+            time.sleep(WAIT_POLL_S)
+
+
+def recover_stale_trials(study: optuna.Study, say: Callable[[str], None]) -> int:
+    """Fail the RUNNING trials whose tuner died on this host, and queue them again.
+
+    Optuna's heartbeat does the same after its grace period, for any host;
+    here a dead tuner is certain at once, so the retry need not wait.
+    """
+    recovered = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if runner_alive(t):
+            continue
+        fail(study, t, "tuner died", "the autotune process running this trial died; the trial was queued again")
+        requeue(study, t)
+        say(f"Trial #{t.number} was left RUNNING by a tuner that died; marked failed and queued again.")
+        recovered += 1
+    return recovered
+
+
+def settle_interrupted(study: optuna.Study, name: str) -> list[int]:
+    """After Ctrl-C or SIGTERM: this tuner's unfinished trials are FAIL with
+    cause ``interrupted``, and each drawn configuration is queued to run again.
+
+    Optuna records the trial it was running as FAIL (the objective set the
+    cause); a signal that landed between draws or inside Optuna's own
+    bookkeeping can leave one RUNNING instead.
+    """
+    me = runner_identity()
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get(Attr.RETRY_OF) for t in trials}
+    settled = []
+    for t in trials:
+        mine = t.user_attrs.get(Attr.RUNNER) == me or (t.state == TrialState.RUNNING and not t.user_attrs.get(Attr.RUNNER))
+        if not mine:
+            continue
+        if t.state == TrialState.RUNNING:
+            fail(study, t, "interrupted", f"the tuner was stopped by {name} during this trial; it was queued to run again")
+        elif not (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == "interrupted"):
+            continue
+        if t.number not in retried and trial_config(t) is not None:
+            requeue(study, t)
+        settled.append(t.number)
+    return settled
+
+
+def fail(study: optuna.Study, trial: FrozenTrial, cause: str, error: str) -> None:
+    study._storage.set_trial_user_attr(trial._trial_id, Attr.CAUSE, cause)
+    study._storage.set_trial_user_attr(trial._trial_id, Attr.ERROR, error)
+    study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+
+
+def requeue(study: optuna.Study, trial: FrozenTrial) -> None:
+    cfg = trial_config(trial)
+    attrs = {Attr.RETRY_OF: trial.number, **({Attr.BASELINE: True} if trial.user_attrs.get(Attr.BASELINE) else {})}
+    study.enqueue_trial(as_params(cfg) if cfg else trial.params, user_attrs=attrs)

@@ -1,0 +1,110 @@
+"""What a run is asked to do, and which study in the storage holds it.
+
+A study is the answer to one question (this model, world size, seq len,
+budget and space): rerunning the same command resumes it, and a command that
+asks another question is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+
+from autotune.errors import UsageError
+from autotune.study.record import METRIC_NAME, StudyAttr
+from autotune.study.space import SearchSpace
+from autotune.study.storage import open_storage, sqlite_path
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    model: str
+    model_label: str
+    nproc: int
+    seq_len: int
+    budget_bytes: int
+    budget_text: str
+    space: SearchSpace
+    trials: int
+    trial_timeout_s: float
+    study_name: str
+    storage_url: str
+    seed: int = 0
+    warmup_steps: int = 2
+    timed_steps: int = 10
+    timing_ci: float = 0.02
+    nnodes: int = 1
+    # Predict each configuration's peak before launch and skip those over budget.
+    use_estimate: bool = True
+    quiet: bool = False
+    device_type: str = "cpu"
+    # Device sets a trial may run on (GPU indices, or CPU cores); one trial per
+    # slot at a time, so several slots run trials side by side.
+    slots: tuple[tuple[int, ...], ...] = ()
+
+
+def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str) -> str:
+    return f"{model_label}-w{nproc}-s{seq_len}-{budget_text}"
+
+
+STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest")
+
+
+def study_identity(settings: RunSettings) -> dict[str, Any]:
+    return {
+        "model": settings.model,
+        "nproc": settings.nproc,
+        "seq_len": settings.seq_len,
+        "budget_bytes": settings.budget_bytes,
+        "space_digest": settings.space.digest,
+    }
+
+
+def check_resumable(settings: RunSettings) -> None:
+    """Refuse, before anything is written, to resume a study made for other work."""
+    path = sqlite_path(settings.storage_url)
+    if path is not None and not path.exists():
+        return
+    summaries = optuna.get_all_study_summaries(open_storage(settings.storage_url), include_best_trial=False)
+    summary = next((s for s in summaries if s.study_name == settings.study_name), None)
+    if summary is None:
+        return
+    if summary.direction != optuna.study.StudyDirection.MAXIMIZE:
+        raise UsageError(
+            f"study {settings.study_name!r} exists with direction {summary.direction.name.lower()}, "
+            "but autotune maximizes tokens/s; choose another --study-name"
+        )
+    stored = summary.user_attrs.get(StudyAttr.IDENTITY, {})
+    identity = study_identity(settings)
+    for key in STUDY_IDENTITY:
+        if key in stored and stored[key] != identity[key]:
+            raise UsageError(
+                f"study {settings.study_name!r} was created with {key}={stored[key]!r}, not {identity[key]!r}; "
+                "rerun with the original settings or choose another --study-name"
+            )
+
+
+def make_sampler(seed: int) -> optuna.samplers.BaseSampler:
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=8)
+
+
+def load_or_create_study(settings: RunSettings, storage: Any) -> optuna.Study:
+    """Resume the study (see :func:`check_resumable`) or create it."""
+    sampler = make_sampler(settings.seed)
+    names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    if settings.study_name in names:
+        return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)
+    try:
+        study = optuna.create_study(
+            study_name=settings.study_name, storage=storage, sampler=sampler, direction="maximize"
+        )
+    except optuna.exceptions.DuplicatedStudyError:
+        # Another tuner created it between our look and our create: join it.
+        return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)
+    study.set_metric_names([METRIC_NAME])
+    study.set_user_attr(StudyAttr.IDENTITY, study_identity(settings))
+    study.set_user_attr(StudyAttr.BUDGET, settings.budget_text)
+    study.set_user_attr(StudyAttr.SPACE_PATH, settings.space.path)
+    return study

@@ -1,0 +1,211 @@
+"""The objective: one Optuna trial is draw, gate, claim, launch, record.
+
+Every outcome is kept as data. A configuration the host cannot run, or one
+predicted over budget, is never launched (PRUNED, with its reason); one
+already measured is reused; an out-of-memory trial is COMPLETE with a
+positive constraint, so the sampler learns what does not fit; a crash or a
+timeout is a FAIL with its cause.
+
+The launch, the memory gate and the claims are handed in, so tests and the
+search-efficiency replay substitute them without patching.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.config import FsdpConfig, TrialRequest, TrialResult
+from autotune.interrupts import Interrupted
+from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
+from autotune.launch.launcher import LaunchOutcome
+from autotune.launch.locks import device_slot
+from autotune.study.claims import Claims, runner_identity
+from autotune.study.gate import MemoryGate
+from autotune.study.identity import RunSettings
+from autotune.study.record import (
+    CONSTRAINT_KEY, Attr, best_feasible, copy_measurement, crash_signature, first_line, set_constraint, trial_config,
+    write_failure, write_measurement,
+)  # fmt: skip
+from autotune.study.reporter import Reporter
+from autotune.units import format_bytes
+
+# A trial whose first timed steps run below best / ABORT_FACTOR stops there: at
+# half the best speed it cannot win, whatever the noise (a few percent), and on
+# CPU a slow precision can cost ten times a fast one.
+ABORT_FACTOR = 2.0
+
+# One torchrun job: (request, trial folder, device slot) -> how it ended.
+LaunchFn = Callable[[TrialRequest, Path, tuple[int, ...]], LaunchOutcome]
+
+
+class TrialFailed(Exception):
+    """A trial that crashed or timed out; Optuna records it as FAIL and goes on."""
+
+
+@dataclass
+class RunCounts:
+    """What this run did, for the summary and the stopping rules."""
+
+    launched: int = 0
+    pruned: int = 0
+    reused: int = 0
+    failed: int = 0
+    aborted: int = 0
+    # Launches saved: configurations predicted over budget, never started.
+    predicted_over: int = 0
+    # Draws in a row that launched nothing.
+    idle_draws: int = 0
+    trial_wall_s: list[float] = field(default_factory=list)
+    # (error signature, log path) of each launch while every launch crashed.
+    crashes: list[tuple[str, str]] = field(default_factory=list)
+    every_launch_crashed: bool = True
+    last_crash: str = ""
+
+
+class Objective:
+    """Called by ``study.optimize`` once per trial, in one thread per device slot."""
+
+    def __init__(self, study: optuna.Study, settings: RunSettings, host: HostInfo, model: ModelInfo, *,
+                 launch: LaunchFn, gate: MemoryGate, claims: Claims, reporter: Reporter, folder: Path) -> None:
+        self.study, self.settings, self.host, self.model = study, settings, host, model
+        self.launch, self.gate, self.claims, self.reporter = launch, gate, claims, reporter
+        self.folder = folder
+        self.counts = RunCounts()
+        self._lock = threading.RLock()
+
+    def __call__(self, trial: optuna.Trial) -> float:
+        try:
+            return self._run(trial)
+        except KeyboardInterrupt as exc:
+            # Ctrl-C or SIGTERM (later signals are ignored, so this is recorded):
+            # Optuna marks the trial FAIL and re-raises.
+            name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
+            trial.set_user_attr(Attr.CAUSE, "interrupted")
+            trial.set_user_attr(Attr.ERROR, f"the tuner was stopped by {name} during this trial; it was queued to run again")
+            raise
+
+    def _run(self, trial: optuna.Trial) -> float:
+        cfg = self._draw(trial)
+        reason = host_incompatibility(cfg, self.host, self.settings.nnodes)
+        if reason is None:
+            reason = self.gate.check(trial, cfg)
+            if reason is not None:
+                self._count("predicted_over")
+        if reason is not None:
+            self._count("pruned", idle=True)
+            trial.set_user_attr(Attr.PRUNE_REASON, reason)
+            self._line(trial, cfg, f"not launched: {reason}")
+            raise optuna.TrialPruned(reason)
+        on_wait = lambda running: self._line(  # noqa: E731
+            trial, cfg, f"being measured by trial #{running.number}; waiting to reuse its result")
+        previous = self.claims.claim(trial, cfg, on_wait)
+        if previous is not None:
+            return self._reuse(trial, previous)
+        self._count("launched", idle=False)
+        return self._launch(trial, cfg)
+
+    def _draw(self, trial: optuna.Trial) -> FsdpConfig:
+        # An enqueued trial (the baseline, a retry) may hold values outside the space file.
+        fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
+        cfg = self.settings.space.suggest(trial, self.model.layer_classes, fixed)
+        trial.set_user_attr(Attr.CONFIG, cfg.to_dict())
+        trial.set_user_attr(Attr.LABEL, cfg.describe())
+        trial.set_user_attr(Attr.RUNNER, runner_identity())
+        return cfg
+
+    def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> float:
+        self._count("reused", idle=True)
+        copy_measurement(trial, previous)
+        self._line(trial, trial_config(previous), f"same configuration as trial #{previous.number}, not launched again")
+        if previous.state == TrialState.PRUNED:
+            raise optuna.TrialPruned(previous.user_attrs.get(Attr.PRUNE_REASON, "reused"))
+        if previous.state == TrialState.FAIL:
+            raise TrialFailed(f"crashed before in trial #{previous.number}: {previous.user_attrs.get(Attr.ERROR)}")
+        set_constraint(trial, previous.constraints.get(CONSTRAINT_KEY, 0.0))
+        return float(previous.value)
+
+    def _launch(self, trial: optuna.Trial, cfg: FsdpConfig) -> float:
+        best = self.best_value()
+        s = self.settings
+        request = TrialRequest(fsdp=cfg, model=s.model, seq_len=s.seq_len, warmup_steps=s.warmup_steps,
+                               timed_steps=s.timed_steps, timing_ci=s.timing_ci, seed=s.seed, nnodes=s.nnodes,
+                               abort_below_tokens_per_s=best / ABORT_FACTOR if best else None)
+        trial_dir = self.folder / "trials" / str(trial.number)
+        self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)
+        # Every trial holds its devices: other tuners on this host wait their turn.
+        slots = list(s.slots) or [tuple(range(self.host.device_count))]
+        waiting = lambda: self._line(trial, cfg, "waiting for a free device slot")  # noqa: E731
+        with device_slot(self.host.device_type, slots, on_wait=waiting) as slot:
+            trial.set_user_attr(Attr.DEVICES, list(slot))
+            outcome = self.launch(request, trial_dir, slot)
+        with self._lock:
+            self.counts.trial_wall_s.append(outcome.wall_s)
+        for name, value in ((Attr.STARTED_AT, outcome.started_at), (Attr.ENDED_AT, outcome.ended_at),
+                            (Attr.STATUS, outcome.result.status), (Attr.TRIAL_DIR, str(trial_dir)),
+                            (Attr.LOG_PATH, str(outcome.log_path)), (Attr.WALL_S, round(outcome.wall_s, 3))):
+            trial.set_user_attr(name, value)
+        if outcome.result.phases:
+            trial.set_user_attr(Attr.PHASES, outcome.result.phases)
+        return self._record(trial, cfg, outcome.result, best)
+
+    def _record(self, trial: optuna.Trial, cfg: FsdpConfig, result: TrialResult, best: float | None) -> float:
+        self._note_crash(trial, result)
+        budget = self.settings.budget_bytes
+        if result.status == "ok":
+            peak = write_measurement(trial, result, budget)
+            fit = "fits" if peak <= budget else f"OVER budget by {format_bytes(peak - budget)}"
+            self._line(trial, cfg, f"{result.tokens_per_s:,.0f} tok/s, peak {format_bytes(peak)} ({fit}), "
+                                   f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
+            return float(result.tokens_per_s)
+        if result.status == "aborted":
+            self._count("aborted")
+            reason = (f"hopeless: {result.tokens_per_s:,.0f} tok/s over the first timed steps, under 1/{ABORT_FACTOR:g} "
+                      f"of the best {best:,.0f}")
+            trial.set_user_attr(Attr.ABORTED, True)
+            trial.set_user_attr(Attr.TOKENS_PER_S_PARTIAL, result.tokens_per_s)
+            trial.set_user_attr(Attr.PRUNE_REASON, reason)
+            trial.report(float(result.tokens_per_s), step=0)
+            self._line(trial, cfg, f"stopped early, {reason}")
+            raise optuna.TrialPruned(reason)
+        if result.status == "oom":
+            # Out of memory is an answer, not a failure: it does not fit.
+            write_failure(trial, result, "oom")
+            trial.set_user_attr(Attr.FITS_BUDGET, False)
+            peak = int(result.peak_memory_bytes or 0)
+            if peak:
+                trial.set_user_attr(Attr.PEAK_MEMORY_BYTES, peak)
+            set_constraint(trial, float(max(peak - budget, 1)))
+            self._line(trial, cfg, f"out of memory on rank {result.failed_rank}: infeasible")
+            return 0.0
+        self._count("failed")
+        write_failure(trial, result, result.status)
+        self._line(trial, cfg, f"FAILED ({result.status}): {first_line(result.error)} [log: {trial.user_attrs[Attr.LOG_PATH]}]")
+        raise TrialFailed(f"{result.status}: {result.error}")
+
+    def _note_crash(self, trial: optuna.Trial, result: TrialResult) -> None:
+        """Keep the crashes of a run in which every launch so far crashed."""
+        with self._lock:
+            if self.counts.every_launch_crashed and result.status == "crash":
+                self.counts.crashes.append((crash_signature(result.error), trial.user_attrs[Attr.LOG_PATH]))
+                self.counts.last_crash = first_line(result.error)
+            else:
+                self.counts.every_launch_crashed = False
+
+    def best_value(self) -> float | None:
+        best = best_feasible(self.study)
+        return best.value if best is not None else None
+
+    def _count(self, name: str, idle: bool | None = None) -> None:
+        with self._lock:
+            setattr(self.counts, name, getattr(self.counts, name) + 1)
+            if idle is not None:
+                self.counts.idle_draws = self.counts.idle_draws + 1 if idle else 0
+
+    def _line(self, trial: optuna.Trial, cfg: FsdpConfig, text: str) -> None:
+        self.reporter.trial(trial.number, cfg.describe(), text, self.counts.launched, self.best_value())

@@ -1,0 +1,175 @@
+"""The trial record: every attribute a trial of an autotune study carries, named once.
+
+Optuna keeps a trial's facts as string-keyed user attributes. The writers
+(the objective, the memory gate, the claims) and the readers (the trials
+table, the summary, the report, the export, the dashboard, the benchmarks)
+all use the names below, and the helpers that read a record
+(:func:`is_feasible`, :func:`best_feasible`, :func:`trial_config`) live
+here too, so no reader needs the orchestrator.
+
+Optuna's own fields carry the rest: the value is tokens/s, the state is
+COMPLETE (measured, or out of memory), PRUNED (never launched, or stopped early
+as hopeless) or FAIL (crash, timeout, interrupted), and the constraint
+``peak_memory_over_budget`` (peak - budget) is positive when infeasible.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from autotune.config import FsdpConfig, TrialResult
+
+METRIC_NAME = "tokens_per_s"
+CONSTRAINT_KEY = "peak_memory_over_budget"
+
+
+class Attr:
+    """User-attribute names of a trial."""
+
+    # What was drawn.
+    CONFIG = "config"  # FsdpConfig.to_dict() of the configuration
+    LABEL = "label"  # FsdpConfig.describe()
+    BASELINE = "baseline"  # True on the recommended starting point
+    RETRY_OF = "retry_of"  # number of the trial this one retries
+    # Who ran it.
+    RUNNER = "runner"  # {"host", "pid", "start"} of the tuner process
+    CLAIMED = "claimed"  # True once this trial holds the claim to measure its configuration
+    REUSED_FROM = "reused_from"  # number of the trial whose measurement this one copies
+    # The launch.
+    STARTED_AT = "started_at"  # wall-clock seconds since the epoch
+    ENDED_AT = "ended_at"
+    DEVICES = "devices"  # the device slot's indices
+    WALL_S = "wall_s"
+    STATUS = "status"  # TrialResult.status: ok, oom, crash, timeout, aborted
+    TRIAL_DIR = "trial_dir"
+    LOG_PATH = "log_path"
+    PHASES = "phases"  # seconds per worker phase
+    # The measurement (copied from TrialResult).
+    TOKENS_PER_S = "tokens_per_s"
+    STEP_TIME_MEDIAN_S = "step_time_median_s"
+    STEP_TIME_P10_S = "step_time_p10_s"
+    STEP_TIME_P90_S = "step_time_p90_s"
+    STEP_TIME_CV = "step_time_cv"
+    TIMED_STEPS = "timed_steps"
+    SKIPPED_STEPS = "skipped_steps"
+    LOSS_FIRST = "loss_first"
+    LOSS_LAST = "loss_last"
+    MEMORY_METHOD = "memory_method"
+    WORLD_SIZE = "world_size"
+    DEVICE = "device"
+    DEVICE_NAME = "device_name"
+    TORCH_VERSION = "torch_version"
+    TRANSFORMERS_VERSION = "transformers_version"
+    NUM_PARAMS = "num_params"
+    TOKENS_PER_STEP = "tokens_per_step"
+    PEAK_MEMORY_BYTES = "peak_memory_bytes"  # the largest rank's peak
+    PEAK_MEMORY_GIB = "peak_memory_gib"
+    RANK_MEMORY = "rank_memory"  # every rank's RankMemory
+    FITS_BUDGET = "fits_budget"
+    # Why it is not a usable result.
+    PRUNE_REASON = "prune_reason"
+    ABORTED = "aborted"  # stopped early as hopeless
+    TOKENS_PER_S_PARTIAL = "tokens_per_s_partial"
+    CAUSE = "cause"  # oom, crash, timeout, tuner died, interrupted
+    ERROR = "error"
+    FAILED_RANK = "failed_rank"
+    EXIT_CODE = "exit_code"
+    # The memory estimate.
+    PREDICTED_PEAK_BYTES = "predicted_peak_bytes"  # tensor bytes of the fake step
+    PREDICTED_DEVICE_PEAK_BYTES = "predicted_device_peak_bytes"  # with the device margin
+    PREDICTED_BREAKDOWN = "predicted_breakdown"
+    PREDICTION_METHOD = "prediction_method"
+    PREDICTION_MARGIN = "prediction_margin"
+
+
+class StudyAttr:
+    """User-attribute names of the study."""
+
+    IDENTITY = "identity"  # model, nproc, seq_len, budget_bytes, space_digest: what a resume must match
+    BUDGET = "budget"  # the budget as the user wrote it
+    SPACE_PATH = "space_path"
+    HOST = "host"  # HostInfo of the last run
+
+
+# What a reused trial copies from the trial that measured its configuration:
+# the measurement, not when, where or by whom it ran.
+NOT_REUSED = (Attr.CONFIG, Attr.LABEL, Attr.BASELINE, Attr.RUNNER, Attr.CLAIMED, Attr.STARTED_AT, Attr.ENDED_AT,
+              Attr.DEVICES, Attr.WALL_S, Attr.RETRY_OF)
+# Copied from a TrialResult onto a measured trial.
+MEASURED = (Attr.TOKENS_PER_S, Attr.STEP_TIME_MEDIAN_S, Attr.STEP_TIME_P10_S, Attr.STEP_TIME_P90_S, Attr.STEP_TIME_CV,
+            Attr.TIMED_STEPS, Attr.SKIPPED_STEPS, Attr.LOSS_FIRST, Attr.LOSS_LAST, Attr.MEMORY_METHOD, Attr.WORLD_SIZE,
+            Attr.DEVICE, Attr.DEVICE_NAME, Attr.TORCH_VERSION, Attr.TRANSFORMERS_VERSION, Attr.NUM_PARAMS,
+            Attr.TOKENS_PER_STEP)
+
+
+def is_feasible(trial: Any) -> bool:
+    """Measured, and within the budget."""
+    from optuna.trial import TrialState
+
+    return trial.state == TrialState.COMPLETE and all(v <= 0 for v in trial.constraints.values())
+
+
+def best_feasible(study: Any) -> Any | None:
+    """The fastest feasible trial (Optuna's best trial respects the constraint), or None."""
+    try:
+        return study.best_trial
+    except ValueError:
+        return None
+
+
+def trial_config(trial: Any) -> FsdpConfig | None:
+    data = trial.user_attrs.get(Attr.CONFIG)
+    return FsdpConfig.from_dict(data) if data else None
+
+
+def set_constraint(trial: Any, violation: float) -> None:
+    """Record how far over the budget a trial is (<= 0: feasible).
+
+    Optuna 4+/5 reads ``constraints:<key>``; optuna-dashboard 0.21 only reads
+    the older ``constraints`` list. Both are written so the two agree.
+    """
+    trial.set_constraint(CONSTRAINT_KEY, violation)
+    # Optuna has no public setter for system attrs any more; this is the one
+    # its own set_constraint uses.
+    trial.storage.set_trial_system_attr(trial._trial_id, "constraints", [violation])
+
+
+def write_measurement(trial: Any, result: TrialResult, budget_bytes: int) -> int:
+    """A measured trial's figures and its constraint; returns the peak."""
+    peak = int(result.peak_memory_bytes or 0)
+    for name in MEASURED:
+        trial.set_user_attr(name, getattr(result, name))
+    trial.set_user_attr(Attr.PEAK_MEMORY_BYTES, peak)
+    trial.set_user_attr(Attr.PEAK_MEMORY_GIB, round(peak / 2**30, 4))
+    trial.set_user_attr(Attr.RANK_MEMORY, [vars(m) for m in result.rank_memory])
+    trial.set_user_attr(Attr.FITS_BUDGET, peak <= budget_bytes)
+    set_constraint(trial, float(peak - budget_bytes))
+    return peak
+
+
+def write_failure(trial: Any, result: TrialResult, cause: str) -> None:
+    trial.set_user_attr(Attr.CAUSE, cause)
+    trial.set_user_attr(Attr.ERROR, result.error)
+    trial.set_user_attr(Attr.FAILED_RANK, result.failed_rank)
+    trial.set_user_attr(Attr.EXIT_CODE, result.exit_code)
+
+
+def copy_measurement(trial: Any, previous: Any) -> None:
+    """A reused trial takes the earlier trial's measurement (not when or where it ran)."""
+    for name, value in previous.user_attrs.items():
+        if name not in NOT_REUSED:
+            trial.set_user_attr(name, value)
+    trial.set_user_attr(Attr.REUSED_FROM, previous.number)
+
+
+def first_line(error: str | None) -> str:
+    text = (error or "").strip()
+    return text.splitlines()[0] if text else ""
+
+
+def crash_signature(error: str | None) -> str:
+    """The error of a crash without which rank hit it: the same fault on rank 0
+    in one trial and on rank 1 in the next is the same fault."""
+    first = re.sub(r"^rank \d+ failed: ", "", first_line(error))
+    return re.sub(r"\brank \d+\b", "rank ?", first)

@@ -1,0 +1,80 @@
+"""When a run stops: its launches are done, the space is exhausted, or nothing useful is left to try."""
+
+from __future__ import annotations
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.study.record import Attr, trial_config
+from autotune.study.reporter import Reporter
+from autotune.study.objective import RunCounts
+
+# Stop drawing when this many draws in a row launch nothing (all pruned or
+# already measured): the sampler has nothing new left to propose.
+MAX_IDLE_DRAWS = 200
+# Stop when this many launches in a row, from the first of a run, crashed with
+# one and the same error while nothing in the study was ever measured: the
+# model or the host is broken, not a configuration.
+SAME_CRASH_LIMIT = 3
+
+
+class Stopper:
+    """The ``study.optimize`` callback that decides, after each trial, whether to go on."""
+
+    def __init__(self, counts: RunCounts, trials: int, space_keys: set[str] | None, reporter: Reporter) -> None:
+        self.counts = counts
+        self.trials = trials
+        # Every configuration of the space, for spaces small enough to finish.
+        self.space_keys = space_keys
+        self.reporter = reporter
+        self.reason: str | None = None
+
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        reason = self.why_stop(study)
+        if reason is not None:
+            self.reason = reason
+            if reason != "launches":
+                self.reporter.say(self.explain(reason))
+            study.stop()
+
+    def why_stop(self, study: optuna.Study) -> str | None:
+        if self.counts.launched >= self.trials:
+            return "launches"
+        if self.space_exhausted(study):
+            return "space exhausted"
+        if self.same_crash_every_time(study):
+            return "same crash"
+        if self.counts.idle_draws >= MAX_IDLE_DRAWS:
+            return "idle draws"
+        return None
+
+    def explain(self, reason: str) -> str:
+        if reason == "space exhausted":
+            return f"All {len(self.space_keys)} configurations of the space have been tried."
+        if reason == "same crash":
+            _, log = self.counts.crashes[-1]
+            return (f"Stopping: all {len(self.counts.crashes)} trials launched crashed with the same error, "
+                    f"{self.counts.last_crash} [log: {log}]")
+        return f"The last {MAX_IDLE_DRAWS} draws were all pruned or already measured; stopping."
+
+    def space_exhausted(self, study: optuna.Study) -> bool:
+        """Whether every configuration of a small space has a settled answer:
+        measured, ruled out before launch, stopped early, or crashed. A timeout
+        or an interrupted trial may go another way next time, so it is not one."""
+        if self.space_keys is None:
+            return False
+        settled = {trial_config(t).key() for t in study.get_trials(deepcopy=False)
+                   if trial_config(t) and (t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+                                           or (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == "crash"))}
+        return self.space_keys <= settled
+
+    def same_crash_every_time(self, study: optuna.Study) -> bool:
+        """Whether the launches of this run all crashed alike, often enough to
+        say the fault is not the configuration's, with nothing ever measured."""
+        crashes = self.counts.crashes
+        if not self.counts.every_launch_crashed or len(crashes) < SAME_CRASH_LIMIT:
+            return False
+        if len({signature for signature, _ in crashes}) != 1:
+            return False
+        return not any(t.user_attrs.get(Attr.TOKENS_PER_S) or t.user_attrs.get(Attr.CAUSE) == "oom"
+                       for t in study.get_trials(deepcopy=False))

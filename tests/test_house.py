@@ -1,0 +1,138 @@
+"""The house rules, checked: the driver never loads torch, the worker never loads optuna, no import
+cycles, small classes and functions, and every trial attribute named in one place."""
+
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "autotune"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+WORKER = sorted(m for m in MODULES if m.startswith("autotune.worker") and not m.endswith("__main__"))
+DRIVER = sorted(m for m in MODULES if not m.startswith("autotune.worker") and not m.endswith("__main__"))
+
+
+def _loaded_after_importing(modules: list[str]) -> set[str]:
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print(' '.join(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def test_no_driver_module_loads_torch():
+    """All of them in one interpreter: if none of their imports pulls in torch, none does alone."""
+    loaded = _loaded_after_importing(DRIVER)
+    assert "torch" not in loaded and "transformers" not in loaded
+
+
+def test_no_worker_module_loads_optuna():
+    loaded = _loaded_after_importing([*WORKER, "autotune.worker.__main__"])
+    assert "optuna" not in loaded and "sqlalchemy" not in loaded
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Project modules ``module`` imports, at the top or inside functions."""
+    names = set()
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return {n for n in names if n in MODULES and n != module}
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    graph = {m: _imports(p, m) for m, p in MODULES.items()}
+    # A package's __init__ re-exporting its own modules is not a cycle of the flow.
+    for m in graph:
+        graph[m] = {d for d in graph[m] if not (MODULES[d].name == "__init__.py" and m.startswith(d + "."))}
+    state: dict[str, int] = defaultdict(int)
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state[dep] == 1:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif state[dep] == 0:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for m in sorted(graph):
+        if state[m] == 0:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+MAX_CLASS_LINES = 150
+MAX_FUNCTION_LINES = 60
+
+
+def test_classes_and_functions_stay_small():
+    too_long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    too_long.append(f"{module}.{node.name}: {length} lines (limit {limit})")
+    assert not too_long, too_long
+
+
+def _literal_attribute_keys(path: Path) -> list[str]:
+    """String literals used as trial or study attribute names in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        key = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            target = node.func
+            if target.attr == "set_user_attr" or (target.attr == "get" and _is_attrs(target.value)):
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and _is_attrs(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            if any(_is_attrs(c) for c in node.comparators):
+                key = node.left
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {key.value!r}")
+    return found
+
+
+def _is_attrs(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "user_attrs") or (isinstance(node, ast.Name) and node.id == "attrs")
+
+
+def test_every_trial_attribute_is_named_in_the_record_module():
+    record = PACKAGE / "study" / "record.py"
+    sources = [p for p in [*PACKAGE.rglob("*.py"), *(REPO / "benchmarks").glob("*.py")] if p != record]
+    literals = [hit for p in sources for hit in _literal_attribute_keys(p)]
+    assert not literals, "use autotune.study.record.Attr / StudyAttr instead of: " + "; ".join(literals)
+
+
+@pytest.mark.parametrize("module", ["autotune.outputs.tables", "autotune.outputs.report", "autotune.outputs.dashboard",
+                                    "autotune.outputs.export", "autotune.outputs.formats"])
+def test_readers_of_the_record_do_not_import_the_orchestrator(module):
+    study_parts = {m for m in _imports(MODULES[module], module) if m.startswith("autotune.study")}
+    assert study_parts <= {"autotune.study.record", "autotune.study.storage"}, study_parts
