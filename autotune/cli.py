@@ -12,12 +12,13 @@ import sys
 from typing import Any, Sequence
 
 from autotune import __version__, interrupts
-from autotune.config import MIN_WARMUP_STEPS
+from autotune.config import MIN_WARMUP_STEPS, SEARCHES
 from autotune.errors import UsageError
 from autotune.outputs.formats import FORMATS
 from autotune.study.storage import DEFAULT_STORAGE
 
 DEFAULT_TRIALS = 20
+DEFAULT_CONFIRM_ROUNDS = 3
 DEFAULT_TRIAL_TIMEOUT_S = 300.0
 
 
@@ -118,7 +119,7 @@ def _add_run(commands: Any) -> None:
     run.add_argument("--timed-steps", type=_positive_int, default=10,
                      help="most timed steps per trial; tokens/s uses their median step time (default: 10)")
     run.add_argument("--timing-ci", type=_fraction, default=0.02, metavar="FRACTION",
-                     help="stop timing a trial, after at least 3 steps, once its mean step time is known to within "
+                     help="stop timing a trial, after at least 3 steps, once its median step time is known to within "
                           "this fraction at 95%% confidence; 0 always runs every timed step (default: 0.02)")
     run.add_argument("--wrap-class", action="append", default=[], metavar="CLASS",
                      help="class name of the model's repeated block, for wrapping and checkpointing; repeat for "
@@ -127,6 +128,14 @@ def _add_run(commands: Any) -> None:
                      help="a device slot: GPU indices (CUDA_VISIBLE_DEVICES) or, on a CPU host, cores (affinity), "
                           "like 0,1 or 0-3; repeat for several slots, and trials run side by side, one per slot "
                           "(default: one slot holding every device)")
+    run.add_argument("--confirm", type=_at_least(0), default=DEFAULT_CONFIRM_ROUNDS, metavar="ROUNDS",
+                     help="after the search, re-measure the finalists (the best and those within its noise, at most 4) "
+                          "and two references in this many interleaved rounds of fresh trials, to name the winner and "
+                          f"its ties; 0 skips it (default: {DEFAULT_CONFIRM_ROUNDS})")
+    run.add_argument("--sampler", choices=SEARCHES, default="autotune",
+                     help="what picks the next configuration: autotune (the memory frontier, then a model of the "
+                          "measured trials; never a configuration twice) or one of Optuna's samplers "
+                          "(tpe, gp with the memory constraint, random) (default: autotune)")
     run.add_argument("--no-estimate", action="store_true",
                      help="launch every configuration, without first predicting its peak memory (default: predict, "
                           "and skip configurations predicted over budget)")

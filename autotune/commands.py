@@ -70,7 +70,7 @@ def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text),
         storage_url=args.storage, seed=args.seed, warmup_steps=args.warmup_steps, timed_steps=args.timed_steps,
         timing_ci=args.timing_ci, quiet=args.quiet, device_type=host.device_type, slots=slots,
-        use_estimate=not args.no_estimate,
+        use_estimate=not args.no_estimate, confirm=args.confirm, search=args.sampler,
     )
     check_resumable(settings)
     return settings, host, model
@@ -169,11 +169,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from autotune.outputs.export import build_export, write_text
     from autotune.outputs.formats import render
-    from autotune.study.record import Attr, best_feasible
+    from autotune.study.record import Attr, winner
 
     study = _open_study(args)
     if args.trial is None:
-        trial = best_feasible(study)
+        trial = winner(study)
         if trial is None:
             raise UsageError(f"study {study.study_name} has no feasible trial yet; see 'autotune trials'")
     else:

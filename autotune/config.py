@@ -16,6 +16,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -44,6 +45,8 @@ HYBRID_STRATEGIES = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 TRIAL_STATUSES = ("ok", "oom", "crash", "timeout", "aborted")
 # "auto" picks CUDA + NCCL when GPUs are visible, else CPU + gloo.
 DEVICES = ("auto", "cpu", "cuda")
+# What picks a study's next configuration (autotune.study.search, or an Optuna sampler).
+SEARCHES = ("autotune", "tpe", "gp", "random")
 
 
 class ConfigError(ValueError):
@@ -122,10 +125,15 @@ SEARCH_FIELDS: tuple[SearchField, ...] = (
 SEARCH_FIELD = {f.name: f for f in SEARCH_FIELDS}
 
 
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
 def _from_mapping(cls: type, data: Mapping[str, Any], what: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{what} must be a JSON object, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = _field_names(cls)
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"{what} has unknown key(s) {unknown}; known keys: {sorted(names)}")
@@ -206,7 +214,9 @@ class FsdpConfig:
         return self.sharding_strategy in HYBRID_STRATEGIES
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        # Every field is a scalar but the class tuple; asdict's deep copy cost
+        # most of a replayed study's time, which compares keys of every trial.
+        data = {name: getattr(self, name) for name in _field_names(FsdpConfig)}
         data["transformer_layer_cls"] = list(self.transformer_layer_cls)
         return data
 
@@ -222,7 +232,11 @@ class FsdpConfig:
 
     def key(self) -> str:
         """A canonical string: equal keys mean the same configuration to measure."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        cached = self.__dict__.get("_key")
+        if cached is None:
+            cached = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+            object.__setattr__(self, "_key", cached)  # frozen: computed once, never changes
+        return cached
 
     def describe(self) -> str:
         """A short human label, for progress lines and tables."""
@@ -270,9 +284,11 @@ class TrialRequest:
     # Stop after the first timed steps when the run is slower than this:
     # hopeless trials then cost a few steps instead of a whole measurement.
     abort_below_tokens_per_s: float | None = None
-    # Stop timing once the mean step time is known to within this fraction
+    # Stop timing once the median step time is known to within this fraction
     # (95% confidence); 0 always runs all ``timed_steps``.
     timing_ci: float = 0.02
+    # Each rank on its own cores of the device slot, with as many intra-op threads.
+    pin_ranks: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.fsdp, Mapping):
@@ -299,6 +315,7 @@ class TrialRequest:
             raise ConfigError(f"timing_ci={self.timing_ci} must be at least 0 and below 1 (0.02 means 2%)")
         if self.abort_below_tokens_per_s is not None:
             _check_type("abort_below_tokens_per_s", self.abort_below_tokens_per_s, float)
+        _check_type("pin_ranks", self.pin_ranks, bool)
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -340,6 +357,9 @@ class TrialResult:
     step_time_p10_s: float | None = None
     step_time_p90_s: float | None = None
     step_time_cv: float | None = None
+    # 95% confidence interval of tokens/s, from that of the median step time.
+    tokens_per_s_ci_low: float | None = None
+    tokens_per_s_ci_high: float | None = None
     timed_steps: int | None = None
     tokens_per_step: int | None = None
     peak_memory_bytes: int | None = None

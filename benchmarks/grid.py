@@ -1,20 +1,22 @@
 """The tabular benchmark: every configuration of a space, measured on this machine.
 
-    python benchmarks/grid.py [--quick] [--space benchmark_cpu] [--repeats 2] [--out benchmarks/data/grid_cpu.csv]
+    python benchmarks/grid.py [--quick] [--space benchmark_cpu] [--repeats 3] [--out benchmarks/data/grid_cpu.csv]
 
 Each configuration runs as a real 2-rank torchrun trial (gloo on CPU, NCCL on
 a GPU host), exactly as ``autotune run`` launches it: the fork server, two
-warm-up steps, then timed steps until the mean is known to 2% (at most 10).
+warm-up steps, then timed steps until the median is known to 2% (at most 10),
+each rank pinned to its own cores.
 No trial is stopped early: the table is the ground truth that
 ``search_efficiency.py`` replays samplers against. The estimator's predicted
 peak is recorded beside the measured one, so a replay can prune as the tuner
 does without launching anything.
 
-Repeats are whole passes over the space, so slow drift of a shared machine
-spreads over every configuration instead of landing on one; the CSV is
-rewritten after every pass, so an interrupted run still leaves a valid table.
-Its ``#`` header lines name the machine, model, ranks, seq len and the passes
-done; ``tokens_per_s`` is the median over passes.
+Repeats are whole passes over the space, each in a fresh random order, so
+slow drift of a shared machine spreads over every configuration instead of
+landing on some; the CSV is rewritten after every pass, so an interrupted run
+still leaves a valid table. Its ``#`` header lines name the machine, model,
+ranks, seq len and the passes done; ``tokens_per_s`` is the mean over passes,
+with its 95% confidence interval, and ``tokens_per_s_runs`` every pass's figure.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import csv
 import dataclasses
 import datetime
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -37,6 +40,7 @@ from autotune.launch.forkserver import ForkServer
 from autotune.launch.host import host_incompatibility, probe
 from autotune.launch.launcher import launch_trial
 from autotune.config import SEARCH_FIELDS
+from autotune.stats import mean_ci95
 from autotune.study.baseline import baseline_config
 from autotune.study.space import load_space
 
@@ -46,7 +50,8 @@ from reporting import machine  # noqa: E402
 
 FIELDS = [f.name for f in SEARCH_FIELDS]
 COLUMNS = [
-    *FIELDS, "label", "status", "tokens_per_s", "tokens_per_s_runs", "peak_memory_bytes", "predicted_peak_bytes",
+    *FIELDS, "label", "status", "tokens_per_s", "tokens_per_s_ci_low", "tokens_per_s_ci_high", "tokens_per_s_runs",
+    "peak_memory_bytes", "predicted_peak_bytes",
     "estimate_s", "wall_s", "launch_and_import_s", "warmup_s", "timed_s", "timed_steps", "step_time_cv", "note",
 ]
 
@@ -84,6 +89,14 @@ def write_table(path: Path, header: dict[str, str], rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def t95_half_width(values: list[float]) -> float | None:
+    """Half-width of the 95% confidence interval of the mean over passes (None for one pass)."""
+    if len(values) < 2:
+        return None
+    lo, hi = mean_ci95(values)
+    return (hi - lo) / 2
+
+
 def summarize(cfg: FsdpConfig, runs: list, predicted: dict, note: str) -> dict:
     """One table row from a configuration's passes (LaunchOutcome each) and its estimate."""
     row = {name: getattr(cfg, name) for name in FIELDS}
@@ -101,9 +114,12 @@ def summarize(cfg: FsdpConfig, runs: list, predicted: dict, note: str) -> dict:
         return row
     speeds = [r.result.tokens_per_s for r in ok]
     median_of = lambda values: round(statistics.median(values), 4)  # noqa: E731
+    mean, half = statistics.fmean(speeds), t95_half_width(speeds)
     row.update(
         status="ok",
-        tokens_per_s=round(statistics.median(speeds), 1),
+        tokens_per_s=round(mean, 1),
+        tokens_per_s_ci_low=round(mean - half, 1) if half is not None else "",
+        tokens_per_s_ci_high=round(mean + half, 1) if half is not None else "",
         tokens_per_s_runs=";".join(f"{s:.1f}" for s in speeds),
         peak_memory_bytes=max(r.result.peak_memory_bytes for r in ok),
         wall_s=median_of([r.wall_s for r in ok]),
@@ -123,7 +139,7 @@ def main() -> int:
     parser.add_argument("--model", default="llama-tiny")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2, help="passes over the whole space")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the whole space, each in a fresh random order")
     parser.add_argument("--out", default=str(HERE / "data" / "grid_cpu.csv"))
     args = parser.parse_args()
     if args.quick:
@@ -169,14 +185,18 @@ def main() -> int:
         "ranks": str(args.nproc),
         "seq_len": str(args.seq_len),
         "measurement": f"{protocol.warmup_steps} warm-up steps (the last measures memory), then timed steps until "
-                       f"the 95% CI of the mean is within {protocol.timing_ci:.0%} (at most {protocol.timed_steps}); "
-                       "cross-rank max step time; never stopped early",
+                       f"the 95% CI of the median is within {protocol.timing_ci:.0%} (at most {protocol.timed_steps}); "
+                       "cross-rank max step time; ranks pinned to their own cores; never stopped early; "
+                       "tokens_per_s is the mean over passes, with its 95% CI",
         "command": "python benchmarks/grid.py" + (" --quick" if args.quick else f" --repeats {args.repeats}"),
     }
     started = time.perf_counter()
     try:
         for rep in range(args.repeats):
-            for i, cfg in enumerate(configs):
+            # A fresh order each pass: drift over the run hits every configuration alike.
+            order = list(enumerate(configs))
+            random.Random(rep).shuffle(order)
+            for i, cfg in order:
                 if cfg.key() in skip:
                     continue
                 request = TrialRequest(fsdp=cfg, model=args.model, seq_len=args.seq_len, seed=rep)

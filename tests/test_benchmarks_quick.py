@@ -49,15 +49,16 @@ def test_grid_then_search_efficiency_replay_quick(tmp_path):
     report = tmp_path / "efficiency.md"
     bench("search_efficiency.py", "--table", str(table), "--out", str(report), cwd=tmp_path)
     text = report.read_text()
-    for strategy in ("autotune", "optuna-tpe", "random", "grid"):
+    for strategy in ("autotune", "today's default (tpe)", "optuna-tpe", "random", "grid"):
         assert f"| {strategy} |" in text
+    assert "## Targets (autotune)" in text and ("| PASS |" in text or "| MISS |" in text)
 
 
 def test_search_efficiency_quick_on_the_committed_table(tmp_path):
     """The committed ground truth still loads by default from any folder, and the real tuner replays on it."""
     fig = tmp_path / "fig.html"
     done = bench("search_efficiency.py", "--figure", str(fig), cwd=tmp_path)
-    assert "| autotune |" in done.stdout
+    assert "| autotune |" in done.stdout and "### Budget p10 = " in done.stdout and "### Budget p50 = " in done.stdout
     assert "plotly" in fig.read_text().lower()
 
 
@@ -66,8 +67,11 @@ def test_noise_benchmark_quick(tmp_path):
     bench("noise.py", "--config", str(BENCH / "results" / "exports" / "best.json"), "--out", str(out), cwd=tmp_path)
     report = out.read_text()
     for name in ("best found", "SHARD_GRAD_OP + bf16 + layer wrap", "PyTorch FSDP defaults"):
-        assert f"| {name}: " in report
+        assert f"| {name}: " in report and f"| {name} | " in report
+    for mode in ("before (ranks unpinned)", "after (each rank on its own cores)"):
+        assert f"| {mode} |" in report
     assert "MFU:" in report and "GFLOP/s" in report
+    assert "**PASS**" in report or "**MISS**" in report
 
 
 def test_estimator_accuracy_benchmark_quick(tmp_path):

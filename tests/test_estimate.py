@@ -93,7 +93,7 @@ def test_tight_budget_prunes_before_launching(tmp_path):
     study = optuna.load_study(study_name="llama-tiny-w2-s64-1MB", storage=f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}")
     assert study.trials and all(t.state == TrialState.PRUNED for t in study.trials)
     assert all(t.constraints.get("peak_memory_over_budget", 0) > 0 for t in study.trials)
-    assert "largest micro batch predicted to fit is none" in done.stderr
+    assert "largest micro batch that may fit is none" in done.stderr
 
 
 @pytest.mark.parametrize("args, words", [
@@ -131,7 +131,9 @@ def test_fp16_estimate_matches_a_real_fp16_trial(version, tmp_path, forks):
         client.close()
     outcome = launch_trial(TrialRequest(fsdp=cfg, seq_len=64, timed_steps=3), tmp_path, 2, 240, forks=forks)
     assert outcome.result.status == "ok", outcome.log_path.read_text()[-3000:]
-    assert predicted["peak_bytes"] == pytest.approx(outcome.result.peak_memory_bytes, rel=0.02)
+    # FSDP1 peaks on CPU vary from run to run by up to 2.2% (34.78-35.57 MB over
+    # 12 runs of this configuration, 2026-12-04): 3% tells a miss from that spread.
+    assert predicted["peak_bytes"] == pytest.approx(outcome.result.peak_memory_bytes, rel=0.03)
 
 
 @pytest.mark.torchrun

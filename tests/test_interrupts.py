@@ -23,7 +23,8 @@ from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.torchrun
 
-FAST = ["--mem-budget", "20GB", "--space", "smoke", "--seq-len", "32", "--timed-steps", "2", "--trial-timeout", "120"]
+FAST = ["--mem-budget", "20GB", "--space", "smoke", "--seq-len", "32", "--timed-steps", "2", "--trial-timeout", "120",
+        "--confirm", "0"]
 SIGNALS = [signal.SIGINT, signal.SIGTERM]
 
 

@@ -15,3 +15,18 @@ def test_calibration_uses_the_worst_measured_ratio_and_keeps_the_fixed_term():
     assert all(margin.apply(p) >= m for m, p in pairs)
     assert calibrated_margin([(105, 100), (99, 100), (110, 100)], "cpu").factor == 1.1
     assert calibrated_margin([(90, 100)] * 3, "cpu").factor == 1.0
+
+
+def test_a_prediction_near_the_budget_keeps_a_chance_and_one_far_over_has_none():
+    from autotune.study.margin import ESTIMATE_SLACK, default_margin, fit_chance
+
+    cpu = default_margin("cpu")
+    assert fit_chance(cpu, 100, 100) == 1.0
+    # 1.4% over, as the best configuration of the table at its 10th-percentile budget.
+    assert 0.8 < fit_chance(cpu, 1014, 1000) < 0.9
+    assert fit_chance(cpu, 1000, int(1000 * (1 - ESTIMATE_SLACK)) - 1) == 0.0
+    # Calibration widens the low side to what it saw, never narrows it below the known slack.
+    measured = calibrated_margin([(80, 100), (100, 100), (109, 100)], "cpu")
+    assert (measured.factor, measured.low_factor) == (1.09, 0.8)
+    assert calibrated_margin([(99, 100)] * 3, "cpu").low_factor == 1 - ESTIMATE_SLACK
+    assert measured.lowest(100) <= 80 <= 109 <= measured.apply(100)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from autotune.worker.measure import relative_ci95
+from autotune.stats import relative_ci95
 
 
 def test_relative_ci95_is_the_student_t_half_width_over_the_mean():
@@ -21,3 +21,15 @@ def test_relative_ci95_needs_two_steps_and_shrinks_with_more():
     assert relative_ci95([1.0, 1.0, 1.0]) == 0.0
     few, many = [1.0, 1.1, 0.9], [1.0, 1.1, 0.9] * 4
     assert relative_ci95(many) < relative_ci95(few)
+
+
+def test_the_median_ci_uses_order_statistics_from_six_steps():
+    from autotune.stats import median_ci95, relative_median_ci95
+
+    times = [1.0, 1.1, 0.9, 1.05, 0.95, 5.0, 1.02, 0.98, 1.01, 0.99]  # one stall
+    # n=10: (x_(2), x_(9)) holds the median with 97.9% probability.
+    assert median_ci95(times) == (sorted(times)[1], sorted(times)[8])
+    assert relative_median_ci95(times) < 0.2  # the stall does not widen it, unlike the mean's
+    assert median_ci95([1.0] * 6) == (1.0, 1.0)
+    lo, hi = median_ci95([1.0, 1.1, 0.9])  # too few for order statistics: the mean's t-interval
+    assert lo < 1.0 < hi

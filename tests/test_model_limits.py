@@ -67,7 +67,7 @@ def test_cli_refuses_a_seq_len_above_the_limit_before_anything_starts(gpt2_confi
 @pytest.mark.torchrun
 def test_a_gpt2_config_tunes_at_its_position_limit(gpt2_config, tmp_path):
     done = run_cli("run", "--mem-budget", "20GB", "--model", str(gpt2_config), "--space", "smoke", "--trials", "2",
-                   "--timed-steps", "3", cwd=tmp_path)
+                   "--timed-steps", "3", "--confirm", "0", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "seq len 512: the model's position limit, below the default 2048" in done.stderr
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"

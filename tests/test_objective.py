@@ -18,7 +18,7 @@ from autotune.launch.launcher import LaunchOutcome
 from autotune.study import RunSettings, run_study
 from autotune.study.baseline import baseline_config
 from autotune.study.claims import runner_identity
-from autotune.study.record import CONSTRAINT_KEY, Attr
+from autotune.study.record import CONSTRAINT_KEY, Attr, StudyAttr
 from autotune.study.space import parse_space
 
 LAYER = ("LlamaDecoderLayer",)
@@ -69,6 +69,8 @@ def private_locks(tmp_path, monkeypatch):
 
 def settings(tmp_path, space: str, budget: int = 100 * MiB, trials: int = 5, **changes) -> RunSettings:
     import yaml
+
+    changes.setdefault("confirm", 0)  # the confirmation round has tests of its own
 
     return RunSettings(model="tiny", model_label="tiny", nproc=2, seq_len=32, budget_bytes=budget, budget_text="100MiB",
                        space=parse_space(yaml.safe_load(space), "test.yaml"), trials=trials, trial_timeout_s=30,
@@ -159,15 +161,40 @@ def test_a_hopeless_trial_is_stopped_early_and_pruned(tmp_path):
     assert outcome.counts.aborted == len(aborted)
 
 
-def test_predicted_over_budget_is_pruned_without_a_launch(tmp_path):
+def test_configurations_predicted_over_budget_are_never_drawn_and_the_reason_is_kept(tmp_path):
     # NO_SHARD is predicted at 500 MiB (over the 100 MiB budget), the rest at 50 MiB.
-    space = "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: fp32\nmicro_batch_size: 1\n"
+    space = "fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: fp32\nmicro_batch_size: 1\n"
     estimator = ScriptedEstimator(lambda cfg: 500 * MiB if cfg.sharding_strategy == "NO_SHARD" else 50 * MiB)
     outcome, launch, _ = run(tmp_path, space=space, estimator=estimator)
+    study = outcome.study
+    assert launch.launched and all(cfg.sharding_strategy != "NO_SHARD" for cfg in launch.launched)
+    assert not [t for t in study.trials if "NO_SHARD" in (t.user_attrs.get(Attr.LABEL) or "")], "an excluded draw became a trial"
+    excluded = study.user_attrs[StudyAttr.EXCLUDED]
+    assert excluded["count"] == 2 and all("predicted peak" in e["reason"] for e in excluded["examples"])
+    assert outcome.stop_reason == "space exhausted" and outcome.plan.active
+    # The run stops before a draw finds nothing: no trial without a configuration.
+    assert all(t.user_attrs.get(Attr.CONFIG) for t in study.trials)
+
+
+def test_an_enqueued_configuration_predicted_over_budget_is_pruned_with_its_prediction(tmp_path):
+    # The baseline is queued, not drawn: the gate still stops it before launch.
+    space = "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: fp32\nmicro_batch_size: 1\n"
+    estimator = ScriptedEstimator(lambda cfg: 50 * MiB if cfg.sharding_strategy == "FULL_SHARD" else 500 * MiB)
+    outcome, launch, _ = run(tmp_path, space=space, estimator=estimator)
+    baseline = outcome.study.trials[0]
+    assert baseline.state == TrialState.PRUNED and "predicted peak" in baseline.user_attrs[Attr.PRUNE_REASON]
+    assert baseline.constraints[CONSTRAINT_KEY] > 0 and baseline.user_attrs[Attr.PREDICTED_PEAK_BYTES] == 500 * MiB
+    assert all(cfg.sharding_strategy != "SHARD_GRAD_OP" for cfg in launch.launched)
+    assert outcome.counts.predicted_over == 1
+
+
+def test_optunas_samplers_still_see_over_budget_draws_as_pruned_trials(tmp_path):
+    space = "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: fp32\nmicro_batch_size: 1\n"
+    estimator = ScriptedEstimator(lambda cfg: 500 * MiB if cfg.sharding_strategy == "NO_SHARD" else 50 * MiB)
+    outcome, launch, _ = run(tmp_path, space=space, estimator=estimator, search="tpe", trials=3)
     pruned = [t for t in outcome.study.trials if "predicted peak" in t.user_attrs.get(Attr.PRUNE_REASON, "")]
     assert pruned and all(t.state == TrialState.PRUNED and t.constraints[CONSTRAINT_KEY] > 0 for t in pruned)
-    assert launch.launched and all(cfg.sharding_strategy != "NO_SHARD" for cfg in launch.launched)
-    assert outcome.counts.predicted_over == len(pruned) and outcome.plan.active
+    assert all(cfg.sharding_strategy != "NO_SHARD" for cfg in launch.launched)
 
 
 def test_micro_batches_above_the_cap_are_never_launched(tmp_path):
@@ -175,9 +202,9 @@ def test_micro_batches_above_the_cap_are_never_launched(tmp_path):
     estimator = ScriptedEstimator(lambda cfg: 40 * MiB * cfg.micro_batch_size)
     outcome, launch, _ = run(tmp_path, space=space, estimator=estimator)
     assert outcome.plan.mbs_cap == 2
-    assert all(cfg.micro_batch_size <= 2 for cfg in launch.launched)
-    capped = [t for t in outcome.study.trials if "above 2" in t.user_attrs.get(Attr.PRUNE_REASON, "")]
-    assert capped and all(t.constraints[CONSTRAINT_KEY] > 0 for t in capped)
+    assert launch.launched and all(cfg.micro_batch_size <= 2 for cfg in launch.launched)
+    excluded = outcome.study.user_attrs[StudyAttr.EXCLUDED]["examples"]
+    assert any("above 2" in e["reason"] and "mbs=4" in e["label"] for e in excluded)
 
 
 def test_a_configuration_measured_before_is_reused(tmp_path):
@@ -205,7 +232,9 @@ def test_a_configuration_another_tuner_is_measuring_is_waited_for_and_reused(tmp
         other.tell(running, 4321.0)
 
     threading.Thread(target=finish).start()
-    outcome, launch, _ = run(tmp_path, space=space, storage=storage)
+    # autotune's own search never proposes a configuration another trial holds;
+    # an Optuna sampler does, and the claim makes it wait and reuse.
+    outcome, launch, _ = run(tmp_path, space=space, storage=storage, search="tpe")
     assert launch.launched == [], "the configuration was measured a second time"
     reused = [t for t in outcome.study.trials if t.user_attrs.get(Attr.REUSED_FROM) == running.number]
     assert reused and reused[0].value == 4321.0

@@ -56,7 +56,7 @@ def test_a_hung_trial_times_out_and_leaves_no_process(tmp_path):
 
 def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path):
     args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--model", "tests.models:hang_once",
-            "--trials", "2", "--trial-timeout", "120", "--no-estimate", *FAST]
+            "--trials", "2", "--trial-timeout", "120", "--no-estimate", "--confirm", "0", *FAST]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     tuner = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     marker = tmp_path / "hang-once.marker"
@@ -85,7 +85,7 @@ def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path):
 
 
 def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path):
-    args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--trials", "3", *FAST]
+    args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--trials", "3", "--confirm", "1", *FAST]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     tuners = [subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(3)]
@@ -95,12 +95,18 @@ def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path):
         assert "database is locked" not in err and "Traceback" not in err
     trials = _study(tmp_path).trials
     assert all(t.state.is_finished() for t in trials), "a trial was left unfinished"
-    launched = [t for t in trials if "started_at" in t.user_attrs and "reused_from" not in t.user_attrs]
+    launched = [t for t in trials if "started_at" in t.user_attrs and "reused_from" not in t.user_attrs
+                and "confirmation_round" not in t.user_attrs]
     keys = [str(sorted(t.user_attrs["config"].items())) for t in launched]
     assert len(keys) == len(set(keys)), "a configuration was measured twice"
+    # The tuners share the confirmation round too: each configuration's round runs once.
+    rounds = [(str(sorted(t.user_attrs["config"].items())), t.user_attrs["confirmation_round"])
+              for t in trials if "confirmation_round" in t.user_attrs]
+    assert rounds and len(rounds) == len(set(rounds)), "a confirmation round ran twice"
     # The smoke space (4) and the baseline: five configurations, each measured once.
     assert len(launched) == 5
-    windows = sorted((t.user_attrs["started_at"], t.user_attrs["ended_at"]) for t in launched)
+    windows = sorted((t.user_attrs["started_at"], t.user_attrs["ended_at"]) for t in trials if "started_at" in t.user_attrs
+                     and "reused_from" not in t.user_attrs)
     for (_, end), (start, _) in zip(windows, windows[1:]):
         assert start >= end, "two trials ran on the same devices at once"
     reported = sum(int(out.split(" trials launched")[0].rsplit(" ", 1)[1]) for out, _ in outputs)
@@ -109,7 +115,7 @@ def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path):
 
 def test_device_slots_run_trials_side_by_side(tmp_path):
     done = run_cli("run", "--mem-budget", "20GB", "--nproc", "1", "--devices", "0", "--devices", "1",
-                   "--trials", "4", *FAST, cwd=tmp_path)
+                   "--trials", "4", "--confirm", "0", *FAST, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     launched = [t for t in _study(tmp_path, "llama-tiny-w1-s32-20GB").trials
                 if "started_at" in t.user_attrs and "reused_from" not in t.user_attrs]

@@ -46,7 +46,7 @@ def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_p
     url, password = postgres.url, postgres.password
     seen = []
     run = run_cli("run", "--mem-budget", "20GB", "--storage", url, "--study-name", "secrets", "--space", "smoke",
-                  "--trials", "2", "--seq-len", "32", "--timed-steps", "2", cwd=tmp_path)
+                  "--trials", "2", "--seq-len", "32", "--timed-steps", "2", "--confirm", "1", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     seen += [run.stdout, run.stderr]
     assert "***@127.0.0.1" in run.stderr  # the run says where the study is, masked

@@ -10,7 +10,7 @@ from optuna.trial import TrialState
 pytestmark = pytest.mark.torchrun
 
 RUN = ["run", "--mem-budget", "20GB", "--space", "smoke", "--trials", "6", "--seq-len", "128",
-       "--warmup-steps", "2", "--timed-steps", "3"]
+       "--warmup-steps", "2", "--timed-steps", "3", "--confirm", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,9 @@ def _study(root):
 def test_run_finishes_with_a_summary(study_run):
     root, done = study_run
     assert done.returncode == 0, done.stderr + done.stdout
-    assert "Best: trial #" in done.stdout
-    assert "x the baseline" in done.stdout
+    assert "Confirmation: 2 interleaved round(s) of fresh trials" in done.stdout
+    assert "Best (confirmed): " in done.stdout
+    assert "measured in the same rounds" in done.stdout  # the headline is a same-run, same-batch ratio
     assert "Traceback" not in done.stderr
     assert (root / "studies" / "llama-tiny-w2-s128-20GB" / "best_config.json").exists()
 
@@ -82,14 +83,19 @@ def test_export_json_reproduces_on_a_worker(study_run):
     doc = json.loads((root / "best.json").read_text())
     study = _study(root)
     assert doc["schema"] == "autotune.fsdp-config/v1"
-    assert doc["fsdp"] == study.best_trial.user_attrs["config"]
+    verdict = study.user_attrs["confirmation"]
+    winner = verdict["winner"]
+    assert doc["fsdp"] == winner["config"]
     assert doc["micro_batch_size"] == doc["fsdp"]["micro_batch_size"]
     assert doc["seq_len"] == 128 and doc["model"] == "llama-tiny"
-    assert doc["measured"]["tokens_per_s"] == study.best_trial.value
+    # The confirmed figure: the mean over the rounds, with them and the ties beside it.
+    assert doc["measured"]["confirmed"] is True
+    assert doc["measured"]["tokens_per_s"] == pytest.approx(winner["mean"])
+    assert doc["measured"]["confirmation"]["values"] == winner["values"] and len(winner["values"]) == 2
     assert doc["measured"]["world_size"] == 2 and doc["measured"]["device"] == "cpu"
     assert doc["budget"]["memory_bytes"] == 20 * 10**9
     assert doc["study"] == {"name": study.study_name, "storage": "sqlite:///studies/autotune.db",
-                            "trial_number": study.best_trial.number}
+                            "trial_number": winner["trial"]}
     assert doc["environment"]["torch_version"].startswith("2.")
     assert json.loads((root / "studies" / study.study_name / "best_config.json").read_text())["fsdp"] == doc["fsdp"]
 
@@ -106,10 +112,37 @@ def test_trials_command_lists_every_trial(study_run):
 
     root, _ = study_run
     table = run_cli("trials", cwd=root)
-    assert table.returncode == 0 and "baseline" in table.stdout
+    assert table.returncode == 0 and "baseline" in table.stdout and "confirmation round 2 (finalist)" in table.stdout
     as_json = json.loads(run_cli("trials", "--format", "json", cwd=root).stdout)
     assert len(as_json["trials"]) == len(_study(root).trials)
     assert {t["outcome"] for t in as_json["trials"]} <= {"ok", "stopped-early"}
+
+
+def test_the_confirmation_round_re_measures_finalists_and_references_in_interleaved_rounds(study_run):
+    root, _ = study_run
+    study = _study(root)
+    rounds = [t for t in study.trials if "confirmation_round" in t.user_attrs]
+    verdict = study.user_attrs["confirmation"]
+    entries = [verdict["winner"], *verdict["ties"], *verdict["others"], *verdict["references"].values()]
+    # Every entry ran in both rounds, as fresh launches (none reused, none stopped early).
+    assert len(rounds) == 2 * len(entries)
+    assert all(t.state == TrialState.COMPLETE and "reused_from" not in t.user_attrs and "started_at" in t.user_attrs
+               for t in rounds)
+    # Interleaved: all of round 1 before any of round 2.
+    order = [t.user_attrs["confirmation_round"] for t in sorted(rounds, key=lambda t: t.number)]
+    assert order == sorted(order)
+    for e in entries:
+        measured = sorted(t.value for t in rounds if t.user_attrs["config"] == e["config"])
+        assert sorted(e["values"]) == pytest.approx(measured)
+        assert e["mean"] == pytest.approx(sum(measured) / 2)
+    # The winner has the highest mean of the finalists; a tie's ratio interval reaches 1.
+    finalists = [e for e in entries if e["role"] == "finalist"]
+    assert verdict["winner"]["mean"] == max(e["mean"] for e in finalists)
+    for tie in verdict["ties"]:
+        assert tie["ratio_to_winner"]["ci95"][1] is None or tie["ratio_to_winner"]["ci95"][1] >= 1
+    assert set(verdict["references"]) <= {"recommended", "pytorch_defaults"} and verdict["references"]
+    for ref in verdict["references"].values():
+        assert ref["config"]["micro_batch_size"] == verdict["winner"]["config"]["micro_batch_size"]
 
 
 def test_rerun_resumes_without_measuring_again(study_run):

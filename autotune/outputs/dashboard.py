@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optuna
 
-from autotune.study.record import Attr, StudyAttr, best_feasible
+from autotune.study.record import Attr, StudyAttr, winner
 from autotune.units import format_bytes
 
 
@@ -19,9 +19,12 @@ def study_note(study: optuna.Study) -> str:
         "Objective: tokens/s (maximize). Over-budget and out-of-memory trials are infeasible "
         "(constraint: peak memory - budget).",
     ]
-    best = best_feasible(study)
+    best = winner(study)
+    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
     if best is None:
         lines.append("\nNo feasible trial yet.")
+    elif verdict:
+        lines += confirmation_lines(verdict)
     else:
         peak = best.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0)
         lines += [
@@ -33,6 +36,22 @@ def study_note(study: optuna.Study) -> str:
             "\nExport it: `autotune export -f accelerate|hf|torchtitan|python|json`.",
         ]
     return "\n".join(lines)
+
+
+def confirmation_lines(verdict: dict) -> list[str]:
+    """The confirmed winner, its ties and the references, as the note shows them."""
+    w = verdict["winner"]
+    lines = [f"\n**Confirmed best** ({verdict['rounds']} interleaved rounds of fresh trials, tagged "
+             f"`confirmation_round`): `{w['label']}`: {w['mean']:,.0f} tokens/s, peak "
+             f"{format_bytes(w['peak_memory_bytes'] or 0)}."]
+    for tie in verdict["ties"]:
+        lines.append(f"\n- tie: `{tie['label']}`: {tie['mean']:,.0f} tokens/s, peak {format_bytes(tie['peak_memory_bytes'] or 0)}")
+    for role, ref in verdict["references"].items():
+        ratio = ref.get("ratio_to_winner") or {}
+        if ratio:
+            lines.append(f"\n- {role.replace('_', ' ')} (`{ref['label']}`): the winner is {1 / ratio['mean']:.2f}x it")
+    lines.append("\nExport it: `autotune export -f accelerate|hf|torchtitan|python|json`.")
+    return lines
 
 
 def update_study_note(study: optuna.Study) -> None:

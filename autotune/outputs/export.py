@@ -18,8 +18,15 @@ from autotune.config import SCHEMA, FsdpConfig, write_text_atomic
 from autotune.study.record import Attr, StudyAttr
 from autotune.study.storage import mask_url
 
+
 def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
-    """The export document for one COMPLETE trial of a study."""
+    """The export document for one COMPLETE trial of a study.
+
+    When the trial is the confirmed winner, ``measured.tokens_per_s`` is its
+    mean over the confirmation rounds and ``measured.confirmation`` holds the
+    rounds, the 95% CI, the ties and the references; otherwise it is the
+    trial's single measurement.
+    """
     attrs = trial.user_attrs
     identity = study.user_attrs.get(StudyAttr.IDENTITY, {})
     host = study.user_attrs.get(StudyAttr.HOST, {})
@@ -39,6 +46,8 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
             "world_size": attrs.get(Attr.WORLD_SIZE),
             "device": attrs.get(Attr.DEVICE),
             "device_name": attrs.get(Attr.DEVICE_NAME),
+            "tokens_per_s_ci95": [attrs.get(Attr.TOKENS_PER_S_CI_LOW), attrs.get(Attr.TOKENS_PER_S_CI_HIGH)],
+            **_confirmation(study, cfg, attrs.get(Attr.TOKENS_PER_S)),
         },
         "budget": {"memory_bytes": identity.get("budget_bytes"), "text": study.user_attrs.get(StudyAttr.BUDGET)},
         "study": {"name": study.study_name, "storage": mask_url(storage_url), "trial_number": trial.number},
@@ -48,6 +57,25 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
             "transformers_version": attrs.get(Attr.TRANSFORMERS_VERSION) or host.get("transformers_version"),
             "python_version": platform.python_version(),
             "platform": platform.platform(),
+        },
+    }
+
+
+def _confirmation(study: Any, cfg: FsdpConfig, single: float | None) -> dict[str, Any]:
+    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
+    if not verdict or verdict["winner"]["config"] != cfg.to_dict():
+        return {"confirmed": False}
+    winner = verdict["winner"]
+    return {
+        "confirmed": True,
+        "tokens_per_s": winner["mean"],
+        "tokens_per_s_search_trial": single,
+        "confirmation": {
+            "rounds": winner["rounds"], "values": winner["values"], "mean": winner["mean"], "ci95": winner["ci95"],
+            "ties": [{k: t[k] for k in ("label", "config", "mean", "ci95", "peak_memory_bytes", "ratio_to_winner")}
+                     for t in verdict["ties"]],
+            "references": {role: {k: r[k] for k in ("label", "mean", "ci95", "ratio_to_winner")}
+                           for role, r in verdict["references"].items()},
         },
     }
 

@@ -9,7 +9,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import SEARCH_FIELDS
-from autotune.study.record import CONSTRAINT_KEY, Attr, StudyAttr, is_feasible, trial_config
+from autotune.study.record import CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_feasible, trial_config
 from autotune.units import format_bytes
 
 FEASIBLE = "#1f77b4"
@@ -20,10 +20,11 @@ DIMENSIONS = tuple(f.name for f in SEARCH_FIELDS if f.name != "min_num_params")
 
 
 def _measured(study: optuna.Study) -> list[FrozenTrial]:
-    """Trials launched and measured (reused copies would count one run twice)."""
+    """Search trials launched and measured (reused copies would count one run twice; the
+    confirmation round's re-measurements have a figure of their own)."""
     return [
         t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if Attr.REUSED_FROM not in t.user_attrs and t.user_attrs.get(Attr.CONFIG)
+        if Attr.REUSED_FROM not in t.user_attrs and t.user_attrs.get(Attr.CONFIG) and not is_confirmation(t)
     ]
 
 
@@ -138,13 +139,49 @@ def top_table(trials: list[FrozenTrial], limit: int = 10):
     return fig
 
 
+def confirmation_figure(verdict: dict | None):
+    """The confirmation round: each configuration's mean over the rounds, with its 95% CI."""
+    import plotly.graph_objects as go
+
+    if not verdict:
+        return None
+    entries = [verdict["winner"], *verdict["ties"], *verdict["others"], *verdict["references"].values()]
+    names = [f"{e['label']} ({'winner' if e is verdict['winner'] else 'tie' if e in verdict['ties'] else e['role']})"
+             for e in entries]
+    means = [e["mean"] for e in entries]
+    upper = [(e["ci95"][1] - e["mean"]) if e["ci95"][1] is not None else 0 for e in entries]
+    lower = [(e["mean"] - e["ci95"][0]) if e["ci95"][0] is not None else 0 for e in entries]
+    fig = go.Figure(go.Bar(x=means, y=names, orientation="h", marker={"color": FEASIBLE},
+                           error_x={"type": "data", "array": upper, "arrayminus": lower}))
+    fig.update_layout(title=f"Confirmation: mean tokens/s over {verdict['rounds']} interleaved rounds (95% CI)",
+                      xaxis_title="tokens/s", height=160 + 40 * len(entries), yaxis={"autorange": "reversed"})
+    return fig
+
+
+def excluded_table(excluded: dict | None):
+    """What the search ruled out before any trial, and why."""
+    import plotly.graph_objects as go
+
+    if not excluded or not excluded.get("examples"):
+        return None
+    rows = excluded["examples"]
+    fig = go.Figure(go.Table(header={"values": ["configuration", "why it was never launched"], "align": "left"},
+                             cells={"values": [[r["label"] for r in rows], [r["reason"] for r in rows]], "align": "left"},
+                             columnwidth=[5, 7]))
+    fig.update_layout(title=f"Ruled out before launch: {excluded['count']} configurations"
+                            + (f" (the first {len(rows)} shown)" if excluded["count"] > len(rows) else ""),
+                      height=140 + 28 * min(len(rows), 30))
+    return fig
+
+
 def build_report(study: optuna.Study) -> str:
     """The whole report as one HTML string."""
     trials = _measured(study)
     budget = study.user_attrs.get(StudyAttr.IDENTITY, {}).get("budget_bytes")
     figures = [speed_memory_figure(trials, budget), history_figure(study), dimension_figure(trials)]
     importance, importance_note = importance_figure(study)
-    figures += [importance, top_table(trials)]
+    figures += [importance, top_table(trials), confirmation_figure(study.user_attrs.get(StudyAttr.CONFIRMATION)),
+                excluded_table(study.user_attrs.get(StudyAttr.EXCLUDED))]
     parts, first = [], True
     for fig in figures:
         if fig is None:

@@ -10,12 +10,22 @@ from autotune.outputs.export import build_export, write_export
 from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
 from autotune.study.identity import RunSettings
-from autotune.study.record import Attr, best_feasible, crash_signature, first_line, is_feasible
+from autotune.study.record import Attr, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, winner
 from autotune.study.runner import RunOutcome
 from autotune.study.storage import study_dir
 from autotune.units import format_bytes
 
 TOP_N = 5
+
+
+STOP_REASONS = {
+    "launches": "the launches asked for (--trials) are done",
+    "space exhausted": "every configuration of the space that can run here was measured or ruled out",
+    "same crash": "every launch crashed with the same error",
+    "idle draws": "the sampler kept drawing configurations already measured or ruled out",
+}
+ROLE_NAMES = {"recommended": "the recommended configuration (FSDP2 SHARD_GRAD_OP, one unit per layer, bf16 where fast)",
+              "pytorch_defaults": "PyTorch's FSDP defaults (FSDP1 FULL_SHARD, no auto wrap, fp32)"}
 
 
 def summarize(run: RunOutcome, settings: RunSettings) -> int:
@@ -24,18 +34,26 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
     study, counts = run.study, run.counts
     trials = study.get_trials(deepcopy=False)
     print(
-        f"Study {study.study_name}: {counts.launched} trials launched in {run.elapsed_s:.0f}s this run, "
-        f"{counts.pruned} pruned before launch, {counts.reused} reused earlier measurements, "
+        f"Study {study.study_name}: {counts.launched} trials launched in {run.elapsed_s:.0f}s this run"
+        + (f" (and {counts.confirmed} confirmation trials)" if counts.confirmed else "")
+        + f", {counts.pruned} pruned before launch, {counts.reused} reused earlier measurements, "
         f"{counts.aborted} stopped early, {counts.failed} failed; {len(trials)} trials in the study."
     )
+    excluded = study.user_attrs.get(StudyAttr.EXCLUDED, {}).get("count", 0)
     if settings.use_estimate:
-        print(f"The memory estimate saved {counts.predicted_over} launches of configurations predicted over budget.")
-    best = best_feasible(study)
+        print(f"The memory estimate ruled out {excluded + counts.predicted_over} configurations before launch.")
+    if run.stop_reason in STOP_REASONS:
+        print(f"The search stopped because {STOP_REASONS[run.stop_reason]}.")
+    best = winner(study)
     if best is None:
         print(explain_no_result(trials, run.plan, settings))
         return 1
     print_top(trials, settings)
-    print_best(best, trials, settings)
+    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
+    if verdict and verdict["winner"]["config"] == best.user_attrs.get(Attr.CONFIG):
+        print_verdict(verdict, settings)
+    else:
+        print_unconfirmed(best, trials, settings)
     path = best_config_path(settings.storage_url, study.study_name)
     write_export(build_export(study, best, settings.storage_url), str(path))
     print(f"  wrote {path}")
@@ -43,8 +61,8 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
 
 
 def print_top(trials: list, settings: RunSettings) -> None:
-    """The fastest feasible configurations, each once."""
-    feasible = sorted((t for t in trials if is_feasible(t)), key=lambda t: -t.value)
+    """The fastest feasible configurations of the search, each once (one trial each)."""
+    feasible = sorted((t for t in trials if is_feasible(t) and not is_confirmation(t)), key=lambda t: -t.value)
     seen, top = set(), []
     for t in feasible:
         label = t.user_attrs.get(Attr.LABEL)
@@ -55,19 +73,75 @@ def print_top(trials: list, settings: RunSettings) -> None:
         [t.number, f"{t.value:,.0f}", format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES]), t.user_attrs.get(Attr.LABEL)]
         for t in top[:TOP_N]
     ]
-    print(f"\nTop configurations (budget {settings.budget_text} = {format_bytes(settings.budget_bytes)} per rank):")
+    print(f"\nTop configurations of the search, one trial each (budget {settings.budget_text} = "
+          f"{format_bytes(settings.budget_bytes)} per rank):")
     print(format_table(["#", "tokens/s", "peak", "configuration"], rows, right=(0, 1, 2)))
 
 
-def print_best(best, trials: list, settings: RunSettings) -> None:
+def print_verdict(verdict: dict, settings: RunSettings) -> None:
+    """The confirmation round: every finalist's mean with its CI, the winner, the ties, the references."""
+    entries = [verdict["winner"], *verdict["ties"], *verdict["others"], *verdict["references"].values()]
+    rows = [[f"{e['mean']:,.0f}", _ci_text(e["ci95"]), format_bytes(e["peak_memory_bytes"] or 0), e["label"],
+             "winner" if e is verdict["winner"] else ("tie" if e in verdict["ties"] else e["role"] if e["role"] != "finalist"
+                                                      else f"slower: {_ratio_text(e['ratio_to_winner'])} of the winner")]
+            for e in entries]
+    print(f"\nConfirmation: {verdict['rounds']} interleaved round(s) of fresh trials:")
+    print(format_table(["mean tok/s", "95% CI", "peak", "configuration", "verdict"], rows, right=(0, 1, 2)))
+    w = verdict["winner"]
+    print(f"\nBest (confirmed): {w['label']}")
+    print(f"  {w['mean']:,.0f} tokens/s (95% CI {_ci_text(w['ci95'])}, {w['rounds']} rounds), peak "
+          f"{format_bytes(w['peak_memory_bytes'] or 0)} = {100 * (w['peak_memory_bytes'] or 0) / settings.budget_bytes:.1f}% "
+          f"of the {settings.budget_text} budget")
+    for tie in verdict["ties"]:
+        cheaper = " and needs less memory" if (tie["peak_memory_bytes"] or 0) < (w["peak_memory_bytes"] or 0) else ""
+        print(f"  Tie{cheaper}: {tie['label']}: {tie['mean']:,.0f} tokens/s, peak {format_bytes(tie['peak_memory_bytes'] or 0)} "
+              f"({_ratio_text(tie['ratio_to_winner'])} of the winner: not told apart in {tie['rounds']} rounds)")
+    batch = w["config"]["micro_batch_size"]
+    for role in ("recommended", "pytorch_defaults"):
+        ref = verdict["references"].get(role)
+        if ref is None:
+            print(f"  vs {ROLE_NAMES[role]} at micro batch {batch}: not measured (it is the winner or a finalist, "
+                  "or cannot run within the budget here)")
+            continue
+        print(f"  {_speedup_text(ref['ratio_to_winner'])} {ROLE_NAMES[role]} at micro batch "
+              f"{ref['config']['micro_batch_size']}, measured in the same rounds")
+
+
+def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
     peak = best.user_attrs[Attr.PEAK_MEMORY_BYTES]
-    print(f"\nBest: trial #{best.number}: {best.user_attrs.get(Attr.LABEL)}")
+    print(f"\nBest (one trial, not confirmed; --confirm N re-measures the finalists): trial #{best.number}: "
+          f"{best.user_attrs.get(Attr.LABEL)}")
     print(f"  {best.value:,.0f} tokens/s, peak {format_bytes(peak)} = {100 * peak / settings.budget_bytes:.1f}% "
           f"of the {settings.budget_text} budget")
     baseline = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.BASELINE)), None)
     if baseline is not None and baseline.value:
-        print(f"  {best.value / baseline.value:.2f}x the baseline (trial #{baseline.number}, "
-              f"{baseline.user_attrs.get(Attr.LABEL)}: {baseline.value:,.0f} tokens/s)")
+        print(f"  {best.value / baseline.value:.2f}x the baseline trial #{baseline.number} "
+              f"({baseline.user_attrs.get(Attr.LABEL)}: {baseline.value:,.0f} tokens/s; one trial each, "
+              f"micro batch {baseline.user_attrs[Attr.CONFIG]['micro_batch_size']} against "
+              f"{best.user_attrs[Attr.CONFIG]['micro_batch_size']})")
+
+
+def _ci_text(ci: list) -> str:
+    lo, hi = ci
+    return f"{lo:,.0f}-{hi:,.0f}" if lo is not None and hi is not None else "one round: none"
+
+
+def _ratio_text(ratio: dict | None) -> str:
+    if not ratio:
+        return "?"
+    lo, hi = ratio["ci95"]
+    bounds = f", 95% CI {lo:.2f}-{hi:.2f}" if lo is not None and hi is not None else ""
+    return f"{ratio['mean']:.2f}x{bounds}"
+
+
+def _speedup_text(ratio: dict | None) -> str:
+    """The winner over a reference, from the reference's ratio to the winner."""
+    if not ratio:
+        return "? x"
+    lo, hi = ratio["ci95"]
+    bounds = f" (95% CI {1 / hi:.2f}-{1 / lo:.2f})" if lo and hi else ""
+    verdict = " - a tie" if lo is not None and hi is not None and lo <= 1 <= hi else ""
+    return f"{1 / ratio['mean']:.2f}x{bounds}{verdict}: the winner against"
 
 
 def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> str:

@@ -54,6 +54,8 @@ def trial_record(trial: FrozenTrial, budget_bytes: int | None) -> dict[str, Any]
         "cause": trial_cause(trial, budget_bytes),
         "reused_from": attrs.get(Attr.REUSED_FROM),
         "baseline": bool(attrs.get(Attr.BASELINE)),
+        "confirmation_round": attrs.get(Attr.CONFIRMATION_ROUND),
+        "confirmation_role": attrs.get(Attr.CONFIRMATION_ROLE),
         "wall_s": attrs.get(Attr.WALL_S),
         "log_path": attrs.get(Attr.LOG_PATH),
     }
@@ -79,5 +81,8 @@ def trials_table(records: list[dict[str, Any]]) -> str:
             note = f"same as #{r['reused_from']}" + (f"; {note}" if note else "")
         if r["baseline"]:
             note = "baseline" + (f"; {note}" if note else "")
+        if r["confirmation_round"]:
+            note = f"confirmation round {r['confirmation_round']} ({r['confirmation_role'].replace('_', ' ')})" + (
+                f"; {note}" if note else "")
         rows.append([r["number"], r["outcome"], tps, peak, r["label"] or "-", note])
     return format_table(["#", "outcome", "tokens/s", "peak", "configuration", "note"], rows, right=(0, 2, 3))

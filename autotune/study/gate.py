@@ -16,7 +16,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.config import FsdpConfig
-from autotune.study.margin import Margin, calibrated_margin, memory_key
+from autotune.study.margin import Margin, calibrated_margin, fit_chance, memory_key
 from autotune.study.record import Attr, set_constraint, trial_config
 from autotune.study.space import SearchSpace
 from autotune.units import format_bytes
@@ -77,7 +77,7 @@ class MemoryGate:
             return self.plan
         self.plan.mbs_cap = self._largest_micro_batch()
         if self.plan.frugal is not None:
-            self.say(f"Memory estimate: the largest micro batch predicted to fit is {self.plan.mbs_cap or 'none'} "
+            self.say(f"Memory estimate: the largest micro batch that may fit is {self.plan.mbs_cap or 'none'} "
                      f"(with {self.plan.frugal[0].describe()}).")
         return self.plan
 
@@ -89,35 +89,55 @@ class MemoryGate:
             if prediction is None:
                 return None  # no estimate, no cap: every configuration gets launched
             self.plan.frugal = (cfg, self.margin().apply(prediction["peak_bytes"]))
-            if self.plan.frugal[1] <= self.budget_bytes:
+            # The cap keeps every micro batch that may fit: the search weighs the doubtful ones.
+            if self.margin().lowest(prediction["peak_bytes"]) <= self.budget_bytes:
                 return mbs
         return 0
 
     def check(self, trial: optuna.Trial, cfg: FsdpConfig) -> str | None:
         """Why ``cfg`` is predicted not to fit (recording the prediction and a
         positive constraint on ``trial``), or None to let it launch."""
+        reason, prediction, device_peak, chance = self._judge(cfg)
+        if chance < 1.0:
+            trial.set_user_attr(Attr.FIT_CHANCE, round(chance, 3))
+        if prediction is not None:
+            trial.set_user_attr(Attr.PREDICTED_PEAK_BYTES, prediction["peak_bytes"])
+            trial.set_user_attr(Attr.PREDICTED_DEVICE_PEAK_BYTES, device_peak)
+            trial.set_user_attr(Attr.PREDICTED_BREAKDOWN, prediction.get("breakdown", {}))
+            trial.set_user_attr(Attr.PREDICTION_METHOD, prediction.get("method"))
+            trial.set_user_attr(Attr.PREDICTION_MARGIN, self.margin().source)
+        if reason is not None:
+            # Infeasible for the sampler too, by the predicted amount.
+            set_constraint(trial, float(device_peak - self.budget_bytes) if device_peak else 1.0)
+        return reason
+
+    def fit_reason(self, cfg: FsdpConfig) -> str | None:
+        """Why ``cfg`` is predicted not to fit, or None: for choosing among configurations before any trial."""
+        return self._judge(cfg)[0]
+
+    def fit_chance(self, cfg: FsdpConfig) -> tuple[float, str | None]:
+        """How likely ``cfg`` fits (1: predicted to; 0: predicted not to, with the reason)."""
+        reason, _, _, chance = self._judge(cfg)
+        return chance, reason
+
+    def _judge(self, cfg: FsdpConfig) -> tuple[str | None, dict[str, Any] | None, int | None, float]:
+        """(reason or None, the prediction if one was made, the predicted device peak, the chance it fits)."""
         if not self.plan.active:
-            return None
+            return None, None, None, 1.0
         if self.plan.mbs_cap is not None and cfg.micro_batch_size > self.plan.mbs_cap:
-            set_constraint(trial, 1.0)
             return (f"micro_batch_size {cfg.micro_batch_size} is above {self.plan.mbs_cap or 'every choice'}, the largest "
-                    "predicted to fit even with the most frugal choices of the space")
+                    "that may fit even with the most frugal choices of the space"), None, None, 0.0
         prediction = self.prediction(cfg)
         if prediction is None:
-            return None
+            return None, None, None, 1.0
         margin = self.margin()
         device_peak = margin.apply(prediction["peak_bytes"])
-        trial.set_user_attr(Attr.PREDICTED_PEAK_BYTES, prediction["peak_bytes"])
-        trial.set_user_attr(Attr.PREDICTED_DEVICE_PEAK_BYTES, device_peak)
-        trial.set_user_attr(Attr.PREDICTED_BREAKDOWN, prediction.get("breakdown", {}))
-        trial.set_user_attr(Attr.PREDICTION_METHOD, prediction.get("method"))
-        trial.set_user_attr(Attr.PREDICTION_MARGIN, margin.source)
-        if device_peak <= self.budget_bytes:
-            return None
-        # Infeasible for the sampler too, by the predicted amount.
-        set_constraint(trial, float(device_peak - self.budget_bytes))
+        chance = fit_chance(margin, prediction["peak_bytes"], self.budget_bytes)
+        if chance > 0.0:
+            return None, prediction, device_peak, chance
         return (f"predicted peak {format_bytes(device_peak)} ({prediction.get('method')}, margin: {margin.source}) "
-                f"is over the budget {format_bytes(self.budget_bytes)}")
+                f"is over the budget {format_bytes(self.budget_bytes)}, even at the estimate's low side "
+                f"{format_bytes(margin.lowest(prediction['peak_bytes']))}"), prediction, device_peak, chance
 
     def prediction(self, cfg: FsdpConfig) -> dict[str, Any] | None:
         """The fake-step estimate of ``cfg``, from the study's trials when one has it."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import optuna
 
+from autotune.config import SEARCHES
 from autotune.errors import UsageError
 from autotune.study.record import METRIC_NAME, StudyAttr
 from autotune.study.space import SearchSpace
@@ -43,6 +44,14 @@ class RunSettings:
     # Device sets a trial may run on (GPU indices, or CPU cores); one trial per
     # slot at a time, so several slots run trials side by side.
     slots: tuple[tuple[int, ...], ...] = ()
+    # What picks the next configuration: "autotune" (the frontier, then a model
+    # of the measured trials; see autotune.study.search), or one of Optuna's
+    # samplers: "tpe", "gp" (with the memory constraint), "random".
+    search: str = "autotune"
+    # Queue the memory frontier right after the baseline.
+    seed_frontier: bool = True
+    # Rounds of the confirmation round; 0 skips it.
+    confirm: int = 3
 
 
 def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str) -> str:
@@ -86,13 +95,28 @@ def check_resumable(settings: RunSettings) -> None:
             )
 
 
-def make_sampler(seed: int) -> optuna.samplers.BaseSampler:
-    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=8)
+def make_sampler(search: str, seed: int) -> optuna.samplers.BaseSampler:
+    """The Optuna sampler of a search; autotune's own delivers the configurations it proposes."""
+    if search == "autotune":
+        from autotune.study.search import PlannedSampler
+
+        return PlannedSampler()
+    if search == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=8)
+    if search == "gp":
+        from autotune.study.record import CONSTRAINT_KEY
+
+        return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False,
+                                         constraints_func=lambda t: [t.constraints.get(CONSTRAINT_KEY, 0.0)])
+    if search == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ValueError(f"search={search!r}; expected one of {SEARCHES}")
 
 
-def load_or_create_study(settings: RunSettings, storage: Any) -> optuna.Study:
+def load_or_create_study(settings: RunSettings, storage: Any, sampler: optuna.samplers.BaseSampler | None = None
+                         ) -> optuna.Study:
     """Resume the study (see :func:`check_resumable`) or create it."""
-    sampler = make_sampler(settings.seed)
+    sampler = sampler or make_sampler(settings.search, settings.seed)
     names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     if settings.study_name in names:
         return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)

@@ -21,18 +21,29 @@ CUDA_MARGIN_BYTES = int(1.5 * 2**30)
 CUDA_MARGIN_FACTOR = 1.10
 # Calibrate from the study only once it has this many measured trials.
 MIN_CALIBRATION_TRIALS = 3
+# How far the fake step over-predicts at worst: 10.1% (SHARD_GRAD_OP with full
+# checkpointing, benchmarks/results/estimator_accuracy_cpu.md). A configuration
+# predicted over the budget by less may still fit, and only a launch can tell.
+ESTIMATE_SLACK = 0.10
 
 
 @dataclass(frozen=True)
 class Margin:
-    """Predicted device peak = tensor peak * factor + fixed bytes."""
+    """Predicted device peak = tensor peak * factor + fixed bytes; the peak
+    could be as low as tensor peak * low_factor + fixed bytes."""
 
     factor: float
     fixed_bytes: int
     source: str
+    low_factor: float = 1.0 - ESTIMATE_SLACK
 
     def apply(self, tensor_peak: int) -> int:
         return int(tensor_peak * self.factor + self.fixed_bytes)
+
+    def lowest(self, tensor_peak: int) -> int:
+        """The smallest device peak the prediction leaves plausible: above the
+        budget even by this, a launch is a waste."""
+        return int(tensor_peak * self.low_factor + self.fixed_bytes)
 
 
 def default_margin(device_type: str) -> Margin:
@@ -40,6 +51,18 @@ def default_margin(device_type: str) -> Margin:
         return Margin(CUDA_MARGIN_FACTOR, CUDA_MARGIN_BYTES, "default CUDA margin")
     # On CPU the trial measures the same quantity the estimator predicts.
     return Margin(1.0, 0, "none (CPU trials measure tensor bytes too)")
+
+
+def fit_chance(margin: Margin, tensor_peak: int, budget_bytes: int) -> float:
+    """How likely a configuration with this predicted tensor peak fits: 1 when
+    even the margin's high side fits, 0 when even its low side does not, and
+    where the budget falls between them otherwise."""
+    high, low = margin.apply(tensor_peak), margin.lowest(tensor_peak)
+    if high <= budget_bytes:
+        return 1.0
+    if low > budget_bytes:
+        return 0.0
+    return (budget_bytes - low) / max(1, high - low)
 
 
 def calibrated_margin(pairs: Iterable[tuple[int, int]], device_type: str) -> Margin:
@@ -56,8 +79,12 @@ def calibrated_margin(pairs: Iterable[tuple[int, int]], device_type: str) -> Mar
     if len(ratios) < MIN_CALIBRATION_TRIALS:
         return default_margin(device_type)
     factor = max(1.0, max(ratios))
-    return Margin(round(factor, 4), fixed, f"calibrated on {len(ratios)} trials (median ratio {statistics.median(ratios):.3f})"
-                  + (f" + {fixed / 2**30:.1f} GiB fixed" if fixed else ""))
+    # The low side stays at least as wide as the estimator's known slack: a
+    # handful of trials does not show how far the next one may fall below.
+    low = min(1.0 - ESTIMATE_SLACK, min(ratios))
+    source = (f"calibrated on {len(ratios)} trials (median ratio {statistics.median(ratios):.3f})"
+              + (f" + {fixed / 2**30:.1f} GiB fixed" if fixed else ""))
+    return Margin(round(factor, 4), fixed, source, low_factor=round(low, 4))
 
 
 def memory_key(cfg: FsdpConfig) -> str:

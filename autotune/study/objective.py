@@ -29,10 +29,12 @@ from autotune.study.claims import Claims, runner_identity
 from autotune.study.gate import MemoryGate
 from autotune.study.identity import RunSettings
 from autotune.study.record import (
-    CONSTRAINT_KEY, Attr, best_feasible, copy_measurement, crash_signature, first_line, set_constraint, trial_config,
+    CONSTRAINT_KEY, Attr, best_search_trial, copy_measurement, crash_signature, first_line, set_constraint, trial_config,
     write_failure, write_measurement,
 )  # fmt: skip
 from autotune.study.reporter import Reporter
+from autotune.study.search import ModelSearch, PlannedSampler, config_params
+from autotune.study.space import SearchSpace
 from autotune.units import format_bytes
 
 # A trial whose first timed steps run below best / ABORT_FACTOR stops there: at
@@ -57,6 +59,8 @@ class RunCounts:
     reused: int = 0
     failed: int = 0
     aborted: int = 0
+    # Launches of the confirmation round (not counted in ``launched``).
+    confirmed: int = 0
     # Launches saved: configurations predicted over budget, never started.
     predicted_over: int = 0
     # Draws in a row that launched nothing.
@@ -67,15 +71,46 @@ class RunCounts:
     every_launch_crashed: bool = True
     last_crash: str = ""
 
+    def note_launch(self, result: TrialResult, log_path: str) -> None:
+        """Keep the crashes of a run in which every launch so far crashed."""
+        if self.every_launch_crashed and result.status == "crash":
+            self.crashes.append((crash_signature(result.error), log_path))
+            self.last_crash = first_line(result.error)
+        else:
+            self.every_launch_crashed = False
+
+
+def draw(trial: optuna.Trial, study: optuna.Study, space: SearchSpace, layer_classes: tuple[str, ...],
+         search: ModelSearch | None, sampler: PlannedSampler | None) -> FsdpConfig:
+    """The trial's configuration, recorded on it: the one queued for it (the
+    baseline, a seed, a retry, a confirmation round: it may hold values outside
+    the space file), else autotune's proposal, else the Optuna sampler's draw."""
+    fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
+    if not fixed and search is not None:
+        proposal = search.propose(study)
+        if proposal is None:
+            reason = "every configuration of the space that can run here is measured or ruled out"
+            trial.set_user_attr(Attr.PRUNE_REASON, reason)
+            raise optuna.TrialPruned(reason)
+        sampler.plan(trial.number, proposal)
+        fixed = config_params(proposal)
+    cfg = space.suggest(trial, layer_classes, fixed)
+    trial.set_user_attr(Attr.CONFIG, cfg.to_dict())
+    return cfg
+
 
 class Objective:
     """Called by ``study.optimize`` once per trial, in one thread per device slot."""
 
     def __init__(self, study: optuna.Study, settings: RunSettings, host: HostInfo, model: ModelInfo, *,
-                 launch: LaunchFn, gate: MemoryGate, claims: Claims, reporter: Reporter, folder: Path) -> None:
+                 launch: LaunchFn, gate: MemoryGate, claims: Claims, reporter: Reporter, folder: Path,
+                 search: ModelSearch | None = None, sampler: PlannedSampler | None = None) -> None:
         self.study, self.settings, self.host, self.model = study, settings, host, model
         self.launch, self.gate, self.claims, self.reporter = launch, gate, claims, reporter
         self.folder = folder
+        # autotune's own search proposes each draw (the sampler delivers it);
+        # without it, the study's Optuna sampler draws.
+        self.search, self.sampler = search, sampler
         self.counts = RunCounts()
         self._lock = threading.RLock()
 
@@ -92,6 +127,10 @@ class Objective:
 
     def _run(self, trial: optuna.Trial) -> float:
         cfg = self._draw(trial)
+        if Attr.CONFIRMATION_ROUND in trial.user_attrs:
+            # A fresh re-measurement of a finalist: never reused, never stopped early.
+            self._count("confirmed")
+            return self._launch(trial, cfg, abort=False)
         reason = host_incompatibility(cfg, self.host, self.settings.nnodes)
         if reason is None:
             reason = self.gate.check(trial, cfg)
@@ -111,10 +150,9 @@ class Objective:
         return self._launch(trial, cfg)
 
     def _draw(self, trial: optuna.Trial) -> FsdpConfig:
-        # An enqueued trial (the baseline, a retry) may hold values outside the space file.
-        fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
-        cfg = self.settings.space.suggest(trial, self.model.layer_classes, fixed)
-        trial.set_user_attr(Attr.CONFIG, cfg.to_dict())
+        with self._lock:
+            # Proposing and recording the proposal are one step: slots run in threads.
+            cfg = draw(trial, self.study, self.settings.space, self.model.layer_classes, self.search, self.sampler)
         trial.set_user_attr(Attr.LABEL, cfg.describe())
         trial.set_user_attr(Attr.RUNNER, runner_identity())
         return cfg
@@ -130,12 +168,12 @@ class Objective:
         set_constraint(trial, previous.constraints.get(CONSTRAINT_KEY, 0.0))
         return float(previous.value)
 
-    def _launch(self, trial: optuna.Trial, cfg: FsdpConfig) -> float:
+    def _launch(self, trial: optuna.Trial, cfg: FsdpConfig, abort: bool = True) -> float:
         best = self.best_value()
         s = self.settings
         request = TrialRequest(fsdp=cfg, model=s.model, seq_len=s.seq_len, warmup_steps=s.warmup_steps,
                                timed_steps=s.timed_steps, timing_ci=s.timing_ci, seed=s.seed, nnodes=s.nnodes,
-                               abort_below_tokens_per_s=best / ABORT_FACTOR if best else None)
+                               abort_below_tokens_per_s=best / ABORT_FACTOR if best and abort else None)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)
         # Every trial holds its devices: other tuners on this host wait their turn.
@@ -189,16 +227,11 @@ class Objective:
         raise TrialFailed(f"{result.status}: {result.error}")
 
     def _note_crash(self, trial: optuna.Trial, result: TrialResult) -> None:
-        """Keep the crashes of a run in which every launch so far crashed."""
         with self._lock:
-            if self.counts.every_launch_crashed and result.status == "crash":
-                self.counts.crashes.append((crash_signature(result.error), trial.user_attrs[Attr.LOG_PATH]))
-                self.counts.last_crash = first_line(result.error)
-            else:
-                self.counts.every_launch_crashed = False
+            self.counts.note_launch(result, trial.user_attrs[Attr.LOG_PATH])
 
     def best_value(self) -> float | None:
-        best = best_feasible(self.study)
+        best = best_search_trial(self.study)
         return best.value if best is not None else None
 
     def _count(self, name: str, idle: bool | None = None) -> None:

@@ -15,6 +15,8 @@ as hopeless) or FAIL (crash, timeout, interrupted), and the constraint
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from typing import Any
 
@@ -51,6 +53,8 @@ class Attr:
     STEP_TIME_P10_S = "step_time_p10_s"
     STEP_TIME_P90_S = "step_time_p90_s"
     STEP_TIME_CV = "step_time_cv"
+    TOKENS_PER_S_CI_LOW = "tokens_per_s_ci_low"  # 95% confidence interval of tokens/s within the trial
+    TOKENS_PER_S_CI_HIGH = "tokens_per_s_ci_high"
     TIMED_STEPS = "timed_steps"
     SKIPPED_STEPS = "skipped_steps"
     LOSS_FIRST = "loss_first"
@@ -75,12 +79,16 @@ class Attr:
     ERROR = "error"
     FAILED_RANK = "failed_rank"
     EXIT_CODE = "exit_code"
+    # The confirmation round (fresh re-measurements after the search).
+    CONFIRMATION_ROUND = "confirmation_round"  # 1, 2, ...
+    CONFIRMATION_ROLE = "confirmation_role"  # finalist, recommended, pytorch_defaults
     # The memory estimate.
     PREDICTED_PEAK_BYTES = "predicted_peak_bytes"  # tensor bytes of the fake step
     PREDICTED_DEVICE_PEAK_BYTES = "predicted_device_peak_bytes"  # with the device margin
     PREDICTED_BREAKDOWN = "predicted_breakdown"
     PREDICTION_METHOD = "prediction_method"
     PREDICTION_MARGIN = "prediction_margin"
+    FIT_CHANCE = "fit_chance"  # below 1: predicted near the budget, launched to find out
 
 
 class StudyAttr:
@@ -90,14 +98,17 @@ class StudyAttr:
     BUDGET = "budget"  # the budget as the user wrote it
     SPACE_PATH = "space_path"
     HOST = "host"  # HostInfo of the last run
+    EXCLUDED = "excluded"  # {"count", "examples": [{"label", "reason"}]}: ruled out before any trial
+    CONFIRMATION = "confirmation"  # the confirmation round's verdict (see autotune.study.confirm)
 
 
 # What a reused trial copies from the trial that measured its configuration:
 # the measurement, not when, where or by whom it ran.
 NOT_REUSED = (Attr.CONFIG, Attr.LABEL, Attr.BASELINE, Attr.RUNNER, Attr.CLAIMED, Attr.STARTED_AT, Attr.ENDED_AT,
-              Attr.DEVICES, Attr.WALL_S, Attr.RETRY_OF)
+              Attr.DEVICES, Attr.WALL_S, Attr.RETRY_OF, Attr.CONFIRMATION_ROUND, Attr.CONFIRMATION_ROLE)
 # Copied from a TrialResult onto a measured trial.
 MEASURED = (Attr.TOKENS_PER_S, Attr.STEP_TIME_MEDIAN_S, Attr.STEP_TIME_P10_S, Attr.STEP_TIME_P90_S, Attr.STEP_TIME_CV,
+            Attr.TOKENS_PER_S_CI_LOW, Attr.TOKENS_PER_S_CI_HIGH,
             Attr.TIMED_STEPS, Attr.SKIPPED_STEPS, Attr.LOSS_FIRST, Attr.LOSS_LAST, Attr.MEMORY_METHOD, Attr.WORLD_SIZE,
             Attr.DEVICE, Attr.DEVICE_NAME, Attr.TORCH_VERSION, Attr.TRANSFORMERS_VERSION, Attr.NUM_PARAMS,
             Attr.TOKENS_PER_STEP)
@@ -118,9 +129,40 @@ def best_feasible(study: Any) -> Any | None:
         return None
 
 
+def is_confirmation(trial: Any) -> bool:
+    return Attr.CONFIRMATION_ROUND in trial.user_attrs
+
+
+def search_trials(study: Any) -> list:
+    """Trials of the search: everything but the confirmation round's re-measurements."""
+    return [t for t in study.get_trials(deepcopy=False) if not is_confirmation(t)]
+
+
+def winner(study: Any) -> Any | None:
+    """The confirmed winner's search trial when a confirmation round ran, else the best feasible trial."""
+    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
+    if verdict and verdict.get("winner") is not None:
+        number = verdict["winner"]["trial"]
+        return next((t for t in study.get_trials(deepcopy=False) if t.number == number), None)
+    return best_search_trial(study)
+
+
+def best_search_trial(study: Any) -> Any | None:
+    """The fastest feasible trial of the search (a single measurement)."""
+    feasible = [t for t in search_trials(study) if is_feasible(t)]
+    return max(feasible, key=lambda t: t.value) if feasible else None
+
+
 def trial_config(trial: Any) -> FsdpConfig | None:
     data = trial.user_attrs.get(Attr.CONFIG)
-    return FsdpConfig.from_dict(data) if data else None
+    return _parsed_config(json.dumps(data, sort_keys=True)) if data else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_config(text: str) -> FsdpConfig:
+    # Stopping rules and claims look at every trial's configuration after each
+    # trial; parsing and validating each afresh made a long study quadratic.
+    return FsdpConfig.from_dict(json.loads(text))
 
 
 def set_constraint(trial: Any, violation: float) -> None:

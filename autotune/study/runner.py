@@ -1,10 +1,11 @@
-"""Run (or resume) one study: put the parts together, optimize, and end cleanly whatever happens.
+"""Run (or resume) one study: put the parts together, search, confirm, and end cleanly whatever happens.
 
-    storage -> study -> memory gate (plan) -> baseline, stale trials -> optimize(objective, stopper)
+    storage -> study -> memory gate (plan) -> baseline, frontier, stale trials
+            -> optimize(objective, stopper) -> confirmation rounds -> verdict
 
-The launch, the estimator and the fork server can be handed in: tests drive
-the objective with scripted ones, and the search-efficiency benchmark
-replays a measured table through the real objective.
+The launch, the estimator and the storage can be handed in: tests drive the
+objective with scripted ones, and the search-efficiency benchmark replays a
+measured table through the real objective.
 """
 
 from __future__ import annotations
@@ -19,18 +20,23 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune import interrupts
 from autotune.launch.forkserver import ForkServer
-from autotune.launch.host import HostInfo, ModelInfo
+from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launch.launcher import launch_trial
 from autotune.launch.locks import exclusive
-from autotune.study.baseline import enqueue_baseline
+from autotune.study import confirm
+from autotune.study.baseline import as_params, enqueue_baseline
 from autotune.study.claims import Claims, recover_stale_trials, settle_interrupted
 from autotune.study.gate import Estimator, GatePlan, MemoryGate
-from autotune.study.identity import RunSettings, check_resumable, load_or_create_study
+from autotune.study.identity import RunSettings, check_resumable, load_or_create_study, make_sampler
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed
 from autotune.study.record import StudyAttr
 from autotune.study.reporter import Reporter
+from autotune.study.search import ModelSearch, held_keys
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper
 from autotune.study.storage import open_storage, study_dir
+
+# At most this many configurations excluded before launch are kept as examples.
+EXCLUDED_EXAMPLES = 200
 
 
 @dataclass
@@ -39,10 +45,26 @@ class RunOutcome:
     counts: RunCounts
     plan: GatePlan
     elapsed_s: float
-    # Why the run stopped: launches, space exhausted, same crash, idle draws; None if it never optimized.
+    # Why the search stopped: launches, space exhausted, same crash, idle draws; None if it never ran.
     stop_reason: str | None = None
     # The stop request that ended the run early, if one did.
     interrupted: interrupts.Interrupted | None = None
+    # The confirmation round's verdict (also the study's "confirmation" attribute), if one ran.
+    verdict: dict[str, Any] | None = None
+
+
+@dataclass
+class _Parts:
+    study: optuna.Study
+    settings: RunSettings
+    host: HostInfo
+    model: ModelInfo
+    reporter: Reporter
+    gate: MemoryGate
+    objective: Objective
+    stopper: Stopper
+    forks: ForkServer | None
+    search: ModelSearch | None
 
 
 def torchrun_launch(settings: RunSettings, host: HostInfo, forks: ForkServer | None) -> LaunchFn:
@@ -65,7 +87,7 @@ def run_study(
     storage: Any = None,
     on_trial_complete: Callable[[optuna.Study], None] | None = None,
 ) -> RunOutcome:
-    """Run until ``settings.trials`` launches are done, the space is exhausted, or a signal stops it.
+    """Search until ``settings.trials`` launches are done or the space is exhausted, then confirm the finalists.
 
     Without ``launch`` trials are torchrun jobs (forked from a fork server);
     without ``estimator`` and with ``settings.use_estimate`` the fake-step
@@ -77,7 +99,33 @@ def run_study(
     # Optuna logs every caught trial failure with its traceback; the tuner
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    study = load_or_create_study(settings, storage or open_storage(settings.storage_url, heartbeat=True))
+    parts = _assemble(settings, host, model, launch, estimator, storage)
+    start = time.perf_counter()
+    interrupted, result = None, None
+    try:
+        _search(parts, on_trial_complete)
+        if settings.confirm:
+            result = _confirm(parts, on_trial_complete)
+    except KeyboardInterrupt as exc:
+        interrupted = exc if isinstance(exc, interrupts.Interrupted) else interrupts.Interrupted(signal.SIGINT)
+        settled = settle_interrupted(parts.study, interrupted.name)
+        parts.reporter.say(f"Stopped by {interrupted.name}" + (f"; trial(s) {', '.join(f'#{n}' for n in settled)} "
+                                                                "recorded as interrupted and queued to run again" if settled else ""))
+    finally:
+        parts.reporter.close_bar()
+        parts.gate.close()
+        if parts.forks is not None:
+            parts.forks.close()
+        _record_exclusions(parts)
+    _notify(on_trial_complete, parts.study, parts.reporter)
+    return RunOutcome(parts.study, parts.objective.counts, parts.gate.plan, time.perf_counter() - start,
+                      parts.stopper.reason, interrupted, result)
+
+
+def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: LaunchFn | None,
+              estimator: Estimator | None, storage: Any) -> _Parts:
+    sampler = make_sampler(settings.search, settings.seed)
+    study = load_or_create_study(settings, storage or open_storage(settings.storage_url, heartbeat=True), sampler)
     study.set_user_attr(StudyAttr.HOST, host.as_dict())
     folder = study_dir(settings.storage_url, settings.study_name)
     reporter = Reporter(folder, settings.trials, settings.quiet)
@@ -90,51 +138,96 @@ def run_study(
                                     timeout_s=settings.trial_timeout_s)
     gate = MemoryGate(study, settings.space, model.layer_classes, settings.budget_bytes, host.device_type,
                       estimator if settings.use_estimate else None, reporter.say)
+    candidates = [c for c in settings.space.enumerate(model.layer_classes)
+                  if host_incompatibility(c, host, settings.nnodes) is None]
+    search = None
+    if settings.search == "autotune":
+        search = ModelSearch(candidates, model.layer_classes, gate.fit_chance, host.bf16_is_fast, seed=settings.seed,
+                             use_frontier=settings.seed_frontier, say=reporter.say)
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
                           gate=gate, claims=Claims(study, folder / "claims.lock", settings.trial_timeout_s + 60),
-                          reporter=reporter, folder=folder)
-    stopper = Stopper(objective.counts, settings.trials, _space_keys(settings, model), reporter)
-    start = time.perf_counter()
-    interrupted = None
-    try:
-        _plan_and_optimize(study, settings, host, model, gate, objective, stopper, forks, reporter, on_trial_complete)
-    except KeyboardInterrupt as exc:
-        interrupted = exc if isinstance(exc, interrupts.Interrupted) else interrupts.Interrupted(signal.SIGINT)
-        settled = settle_interrupted(study, interrupted.name)
-        reporter.say(f"Stopped by {interrupted.name}" + (f"; trial(s) {', '.join(f'#{n}' for n in settled)} "
-                                                          "recorded as interrupted and queued to run again" if settled else ""))
-    finally:
-        reporter.close_bar()
-        gate.close()
-        if forks is not None:
-            forks.close()
-    _notify(on_trial_complete, study, reporter)
-    return RunOutcome(study, objective.counts, gate.plan, time.perf_counter() - start, stopper.reason, interrupted)
+                          reporter=reporter, folder=folder, search=search,
+                          sampler=sampler if search is not None else None)
+    space_keys = {c.key() for c in candidates} if len(candidates) <= 4 * MAX_IDLE_DRAWS or search else None
+    stopper = Stopper(objective.counts, settings.trials, space_keys, reporter, search)
+    return _Parts(study, settings, host, model, reporter, gate, objective, stopper, forks, search)
 
 
-def _plan_and_optimize(study, settings, host, model, gate, objective, stopper, forks, reporter, on_trial_complete) -> None:
-    gate.start()
-    # Several tuners may start on one study at once: one of them enqueues the baseline.
-    with exclusive(objective.folder / "claims.lock"):
+def _search(parts: _Parts, on_trial_complete) -> None:
+    study, settings = parts.study, parts.settings
+    parts.gate.start()
+    # Several tuners may start on one study at once: one of them enqueues the first trials.
+    with exclusive(parts.objective.folder / "claims.lock"):
         if not study.get_trials(deepcopy=False):
-            enqueue_baseline(study, host, model.layer_classes, settings.space)
-        recover_stale_trials(study, reporter.say)
-    if stopper.space_exhausted(study):
-        reporter.say(f"All {len(stopper.space_keys)} configurations of the space were measured in earlier runs.")
-        stopper.reason = "space exhausted"
+            enqueue_baseline(study, parts.host, parts.model.layer_classes, settings.space)
+            if settings.seed_frontier and parts.search is None:
+                _enqueue_frontier(parts)
+        recover_stale_trials(study, parts.reporter.say)
+    if parts.stopper.nothing_left(study):
+        parts.reporter.say("Every configuration of the space that can run here was measured (or ruled out) in earlier runs.")
+        parts.stopper.reason = "space exhausted"
         return
-    if forks is not None and not forks.ready():
-        reporter.say(f"Fork server unavailable ({forks.error}); each trial starts fresh interpreters.")
-    reporter.start_bar()
+    if parts.forks is not None and not parts.forks.ready():
+        parts.reporter.say(f"Fork server unavailable ({parts.forks.error}); each trial starts fresh interpreters.")
+    parts.reporter.start_bar()
+    study.optimize(parts.objective, callbacks=[_after_trial(parts, on_trial_complete), parts.stopper],
+                   catch=(TrialFailed,), n_jobs=max(1, len(settings.slots)))
 
+
+def _enqueue_frontier(parts: _Parts) -> None:
+    """Queue the memory frontier for one of Optuna's samplers (autotune's search proposes it itself)."""
+    candidates = [c for c in parts.settings.space.enumerate(parts.model.layer_classes)
+                  if host_incompatibility(c, parts.host, parts.settings.nnodes) is None]
+    seeds = ModelSearch(candidates, parts.model.layer_classes, parts.gate.fit_chance, parts.host.bf16_is_fast).frontier()
+    held = held_keys(parts.study, parts.model.layer_classes)
+    for cfg in seeds:
+        if cfg.key() not in held:
+            parts.study.enqueue_trial(as_params(cfg))
+    if seeds:
+        parts.reporter.say(f"Frontier: {len(seeds)} configuration(s) queued after the baseline: "
+                           + "; ".join(c.describe() for c in seeds))
+
+
+def _confirm(parts: _Parts, on_trial_complete) -> dict[str, Any] | None:
+    """Re-measure the finalists and the references in interleaved rounds; store and return the verdict."""
+    study, settings = parts.study, parts.settings
+    with exclusive(parts.objective.folder / "claims.lock"):
+        entries = confirm.round_entries(study, parts.host, settings.space, parts.model.layer_classes, settings.nnodes,
+                                        parts.gate.fit_reason)
+        queued = confirm.enqueue_rounds(study, entries, settings.confirm) if entries else 0
+    if not entries:
+        return None
+    if queued:
+        finalists = sum(e.role == "finalist" for e in entries)
+        parts.reporter.say(f"Confirmation: {finalists} finalist(s) and {len(entries) - finalists} reference(s), "
+                           f"{settings.confirm} interleaved round(s); {queued} fresh trial(s) to run.")
+        study.optimize(parts.objective, n_trials=queued, callbacks=[_after_trial(parts, on_trial_complete)],
+                       catch=(TrialFailed,), n_jobs=1)
+    result = confirm.verdict(study, entries)
+    if result is not None:
+        confirm.store(study, result)
+    return result
+
+
+def _after_trial(parts: _Parts, on_trial_complete) -> Callable[[optuna.Study, FrozenTrial], None]:
     def after_trial(study: optuna.Study, trial: FrozenTrial) -> None:
-        reporter.show_state(f"#{trial.number} {trial.state.name.lower()}", len(objective.counts.trial_wall_s),
-                            objective.best_value())
+        parts.reporter.show_state(f"#{trial.number} {trial.state.name.lower()}", len(parts.objective.counts.trial_wall_s),
+                                  parts.objective.best_value())
         if trial.state == TrialState.COMPLETE:
-            _notify(on_trial_complete, study, reporter)
+            _notify(on_trial_complete, study, parts.reporter)
 
-    study.optimize(objective, callbacks=[after_trial, stopper], catch=(TrialFailed,),
-                   n_jobs=max(1, len(settings.slots)))
+    return after_trial
+
+
+def _record_exclusions(parts: _Parts) -> None:
+    """What the search ruled out before any trial, and why: for the report and the dashboard."""
+    if parts.search is None or not parts.search.excluded:
+        return
+    labels = {c.key(): c.describe() for c in parts.search.candidates}
+    examples = [{"label": labels.get(k, k), "reason": r} for k, r in list(parts.search.excluded.items())[:EXCLUDED_EXAMPLES]]
+    previous = parts.study.user_attrs.get(StudyAttr.EXCLUDED, {})
+    count = max(len(parts.search.excluded), previous.get("count", 0))
+    parts.study.set_user_attr(StudyAttr.EXCLUDED, {"count": count, "examples": examples})
 
 
 def _notify(callback: Callable[[optuna.Study], None] | None, study: optuna.Study, reporter: Reporter) -> None:
@@ -144,9 +237,3 @@ def _notify(callback: Callable[[optuna.Study], None] | None, study: optuna.Study
         callback(study)
     except Exception as exc:  # noqa: BLE001 - cosmetic (a concurrent note edit): never stops tuning
         reporter.say(f"(after-trial update failed: {exc})")
-
-
-def _space_keys(settings: RunSettings, model: ModelInfo) -> set[str] | None:
-    """Every configuration of the space, when the space is small enough for a study to finish."""
-    configs = settings.space.enumerate(model.layer_classes)
-    return {c.key() for c in configs} if len(configs) <= 4 * MAX_IDLE_DRAWS else None

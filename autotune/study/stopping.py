@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
@@ -21,12 +23,15 @@ SAME_CRASH_LIMIT = 3
 class Stopper:
     """The ``study.optimize`` callback that decides, after each trial, whether to go on."""
 
-    def __init__(self, counts: RunCounts, trials: int, space_keys: set[str] | None, reporter: Reporter) -> None:
+    def __init__(self, counts: RunCounts, trials: int, space_keys: set[str] | None, reporter: Reporter,
+                 search: Any = None) -> None:
         self.counts = counts
         self.trials = trials
-        # Every configuration of the space, for spaces small enough to finish.
+        # Every runnable configuration of the space, for spaces small enough to
+        # finish (any size with autotune's search, which knows what is left).
         self.space_keys = space_keys
         self.reporter = reporter
+        self.search = search
         self.reason: str | None = None
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
@@ -40,7 +45,7 @@ class Stopper:
     def why_stop(self, study: optuna.Study) -> str | None:
         if self.counts.launched >= self.trials:
             return "launches"
-        if self.space_exhausted(study):
+        if self.nothing_left(study):
             return "space exhausted"
         if self.same_crash_every_time(study):
             return "same crash"
@@ -50,12 +55,25 @@ class Stopper:
 
     def explain(self, reason: str) -> str:
         if reason == "space exhausted":
-            return f"All {len(self.space_keys)} configurations of the space have been tried."
+            excluded = len(self.search.excluded) if self.search is not None else 0
+            return (f"Every configuration of the space that can run here has been measured"
+                    + (f" or ruled out before launch ({excluded} predicted not to fit)" if excluded else "")
+                    + f"; stopping after {self.counts.launched} of the {self.trials} launches asked for.")
         if reason == "same crash":
             _, log = self.counts.crashes[-1]
             return (f"Stopping: all {len(self.counts.crashes)} trials launched crashed with the same error, "
                     f"{self.counts.last_crash} [log: {log}]")
         return f"The last {MAX_IDLE_DRAWS} draws were all pruned or already measured; stopping."
+
+    def nothing_left(self, study: optuna.Study) -> bool:
+        """Whether no configuration is left to launch: none queued, and the
+        search has none to propose (or, with an Optuna sampler, every one of a
+        small space is settled)."""
+        if self.search is None:
+            return self.space_exhausted(study)
+        if study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            return False
+        return self.search.exhausted or not self.search.has_next(study)
 
     def space_exhausted(self, study: optuna.Study) -> bool:
         """Whether every configuration of a small space has a settled answer:

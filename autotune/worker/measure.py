@@ -19,23 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-
-# Two-sided 95% Student t quantiles by degrees of freedom (n - 1), for the
-# confidence interval of the mean step time; 1.96 beyond the table.
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-        10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def relative_ci95(times: list[float]) -> float:
-    """Half-width of the 95% confidence interval of the mean step time, as a
-    fraction of the mean: 0.02 means the mean is known to within 2%."""
-    if len(times) < 2:
-        return float("inf")
-    mean = statistics.fmean(times)
-    df = len(times) - 1
-    # Between tabulated rows, the smaller df's (larger, so safer) quantile.
-    t = 1.96 if df > 30 else next(v for k, v in sorted(_T95.items(), reverse=True) if k <= df)
-    return t * statistics.stdev(times) / len(times) ** 0.5 / mean if mean > 0 else float("inf")
+from autotune.stats import median_ci95, relative_ci95, relative_median_ci95  # noqa: F401 (re-exported)
 
 
 def step_time_stats(times: list[float]) -> dict[str, float]:
@@ -50,11 +34,14 @@ def step_time_stats(times: list[float]) -> dict[str, float]:
 
     mean = statistics.fmean(ordered)
     cv = statistics.pstdev(ordered) / mean if len(ordered) > 1 and mean > 0 else 0.0
+    lo, hi = median_ci95(ordered)
     return {
         "median": statistics.median(ordered),
         "p10": quantile(0.10),
         "p90": quantile(0.90),
         "cv": cv,
+        "ci_low": lo,
+        "ci_high": hi,
     }
 
 

@@ -60,6 +60,10 @@ def build_result(
     result.step_time_p10_s = stats["p10"]
     result.step_time_p90_s = stats["p90"]
     result.step_time_cv = stats["cv"]
+    # A slower step time bounds tokens/s from below.
+    # (A step-time bound at or below zero, from a wide t-interval of very few steps, bounds nothing.)
+    result.tokens_per_s_ci_low = tokens_per_step / stats["ci_high"] if 0 < stats["ci_high"] < float("inf") else None
+    result.tokens_per_s_ci_high = tokens_per_step / stats["ci_low"] if stats["ci_low"] > 0 else None
     for loss in (result.loss_first, result.loss_last):
         if loss is None or not math.isfinite(loss):
             result.status = "crash"

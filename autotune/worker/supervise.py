@@ -12,6 +12,7 @@ Standard library only, so it starts in milliseconds.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,31 @@ from typing import IO, Any
 from autotune.launch import forkserver
 from autotune.config import write_json_atomic
 from autotune.launch.lifeline import die_with_parent
+
+
+def rank_cores(cores: list[int], local_rank: int, local_world_size: int) -> list[int]:
+    """This rank's share of the slot's cores: an equal, contiguous block each,
+    or one core each, in turn, when the ranks outnumber the cores."""
+    if len(cores) < local_world_size:
+        return [cores[local_rank % len(cores)]]
+    per_rank = len(cores) // local_world_size
+    return cores[local_rank * per_rank:(local_rank + 1) * per_rank]
+
+
+def pin_this_rank(config: str) -> None:
+    """Give the rank its own cores and as many intra-op threads, unless the
+    request says not to: ranks that share cores and migrate between them make
+    step times noise (their children inherit both)."""
+    try:
+        pin = json.loads(Path(config).read_text()).get("pin_ranks", True)
+    except (OSError, ValueError, AttributeError):
+        pin = True
+    if not pin:
+        return
+    cores = rank_cores(sorted(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_RANK", "0")),
+                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
 
 
 def start_rank(config: str, trial_dir: Path) -> tuple[Any, IO[bytes]]:
@@ -57,6 +83,7 @@ def main(argv: list[str]) -> int:
     config, trial_dir = argv[0], Path(argv[1])
     die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
+    pin_this_rank(config)
     child, output = start_rank(config, trial_dir)
     # torchrun stops a job by signalling each rank's process group, which holds
     # an exec'd child too; SIGTERM is forwarded for a forked one, and in case it

@@ -17,7 +17,8 @@ from torch import nn
 
 from autotune.config import ABORT_CHECK_STEPS, RankMemory, TrialRequest
 from autotune.worker.fsdp import make_grad_scaler
-from autotune.worker.measure import LiveStorageTracker, relative_ci95
+from autotune.stats import relative_median_ci95
+from autotune.worker.measure import LiveStorageTracker
 from autotune.worker.runtime import Rank, synchronize
 
 
@@ -161,7 +162,7 @@ def time_steps(
     ``timed_step()`` returns the step's seconds (the slowest rank's, so every
     rank decides alike) and whether the optimizer really stepped; a skipped
     step is not timed, and at most as many again are tried. Timing stops
-    early when the mean step time is known to within ``timing_ci`` (95%
+    early when the median step time is known to within ``timing_ci`` (95%
     confidence, after MIN_TIMED_STEPS steps) or when, after ABORT_CHECK_STEPS
     steps, the speed is below ``abort_below_tokens_per_s`` (that partial
     figure is returned). Returns (step times, skipped steps, partial figure or None).
@@ -179,7 +180,7 @@ def time_steps(
             partial = tokens_per_step / statistics.median(times)
             if partial < abort_below_tokens_per_s:
                 return times, skipped, partial
-        if timing_ci and n >= MIN_TIMED_STEPS and relative_ci95(times) <= timing_ci:
+        if timing_ci and n >= MIN_TIMED_STEPS and relative_median_ci95(times) <= timing_ci:
             break
     if not times:
         raise RuntimeError(f"fp16 loss scaling skipped all {skipped} timed steps: the gradients overflow at every scale")

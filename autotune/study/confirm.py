@@ -1,0 +1,189 @@
+"""The confirmation round: re-measure the finalists in interleaved rounds, name the winner and its ties.
+
+The search measures each configuration once, and on a shared machine the
+top configurations are often closer than one trial's noise. So after the
+search, the finalists (the search's best and those within its noise, at most
+:data:`MAX_FINALISTS`) run again as fresh torchrun trials, round after round
+(A B C A B C ...), so that drift hits them all alike. Two references run in
+every round too, at the leading finalist's micro batch: the recommended
+configuration and PyTorch's FSDP defaults, so the headline speed-up is a
+same-run, same-batch comparison.
+
+The winner is the highest mean over the rounds. A finalist is a tie when the
+95% confidence interval of its per-round ratio to the winner holds 1. Every
+re-measurement is a trial of the study (``confirmation_round``), so a
+resumed study runs only the rounds it lacks; the verdict is the study's
+``confirmation`` attribute.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.config import FsdpConfig
+from autotune.launch.host import HostInfo, host_incompatibility
+from autotune.stats import mean_ci95
+from autotune.study.baseline import as_params, baseline_config
+from autotune.study.record import Attr, StudyAttr, is_confirmation, is_feasible, search_trials, trial_config
+from autotune.study.space import SearchSpace
+
+MAX_FINALISTS = 4
+# Within this fraction of the best, a configuration is a finalist even if the
+# two trials' own confidence intervals do not overlap: trials of one
+# configuration differ by more than their steps do (benchmarks/noise.py).
+TRIAL_NOISE = 0.05
+
+ROLES = ("finalist", "recommended", "pytorch_defaults")
+
+
+def pytorch_defaults(layer_classes: tuple[str, ...], micro_batch_size: int) -> FsdpConfig:
+    """``FullyShardedDataParallel(model)`` as it comes: FULL_SHARD, one unit, fp32."""
+    return FsdpConfig(fsdp_version=1, sharding_strategy="FULL_SHARD", auto_wrap_policy="none", mixed_precision="fp32",
+                      transformer_layer_cls=layer_classes, micro_batch_size=micro_batch_size)
+
+
+def choose_finalists(study: optuna.Study) -> list[Any]:
+    """The search trials (one per configuration, best first) within the noise of the best."""
+    best_per_key: dict[str, Any] = {}
+    for t in search_trials(study):
+        if is_feasible(t) and t.user_attrs.get(Attr.STATUS) == "ok" and Attr.REUSED_FROM not in t.user_attrs:
+            key = trial_config(t).key()
+            if key not in best_per_key or t.value > best_per_key[key].value:
+                best_per_key[key] = t
+    ranked = sorted(best_per_key.values(), key=lambda t: -t.value)
+    if not ranked:
+        return []
+    best = ranked[0]
+    floor = min(_ci(best)[0], best.value * (1 - TRIAL_NOISE))
+    return [t for t in ranked if _ci(t)[1] >= floor][:MAX_FINALISTS]
+
+
+def _ci(trial: Any) -> tuple[float, float]:
+    lo = trial.user_attrs.get(Attr.TOKENS_PER_S_CI_LOW)
+    hi = trial.user_attrs.get(Attr.TOKENS_PER_S_CI_HIGH)
+    return (lo if lo is not None else trial.value, hi if hi is not None else trial.value)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One configuration of the round and the part it plays."""
+
+    cfg: FsdpConfig
+    role: str
+    search_trial: int | None = None
+
+
+def round_entries(study: optuna.Study, host: HostInfo, space: SearchSpace, layer_classes: tuple[str, ...],
+                  nnodes: int, fits) -> list[Entry]:
+    """The finalists, then the references at each finalist's micro batch, so that
+    whichever wins is compared at its own batch (a reference runs only when it
+    can run here and is predicted to fit; one that is a finalist is not run twice)."""
+    finalists = choose_finalists(study)
+    if not finalists:
+        return []
+    entries = [Entry(trial_config(t), "finalist", t.number) for t in finalists]
+    recommended = baseline_config(host, layer_classes, space)
+    for batch in dict.fromkeys(e.cfg.micro_batch_size for e in entries[:len(finalists)]):
+        for role, cfg in (("recommended", recommended.replace(micro_batch_size=batch)),
+                          ("pytorch_defaults", pytorch_defaults(layer_classes, batch))):
+            if any(e.cfg.key() == cfg.key() for e in entries):
+                continue
+            if host_incompatibility(cfg, host, nnodes) is None and fits(cfg) is None:
+                entries.append(Entry(cfg, role))
+    return entries
+
+
+def rounds_held(study: optuna.Study, cfg: FsdpConfig) -> set[int]:
+    """The rounds of ``cfg`` measured, queued or running (another tuner's included)."""
+    held = set()
+    for t in study.get_trials(deepcopy=False):
+        if not is_confirmation(t):
+            continue
+        measured = t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.STATUS) == "ok"
+        if not (measured or t.state in (TrialState.WAITING, TrialState.RUNNING)):
+            continue
+        fixed = t.system_attrs.get("fixed_params")
+        cfg_t = trial_config(t) or (FsdpConfig(**fixed, transformer_layer_cls=cfg.transformer_layer_cls) if fixed else None)
+        if cfg_t is not None and cfg_t.key() == cfg.key():
+            held.add(t.user_attrs[Attr.CONFIRMATION_ROUND])
+    return held
+
+
+def enqueue_rounds(study: optuna.Study, entries: list[Entry], rounds: int) -> int:
+    """Queue the rounds not yet measured or queued, round by round; returns how many trials were queued.
+    Call it under the study's claims lock: tuners sharing a study queue each round once."""
+    queued = 0
+    held = {e.cfg.key(): rounds_held(study, e.cfg) for e in entries}
+    for r in range(1, rounds + 1):
+        for e in entries:
+            if r not in held[e.cfg.key()]:
+                study.enqueue_trial(as_params(e.cfg), user_attrs={Attr.CONFIRMATION_ROUND: r, Attr.CONFIRMATION_ROLE: e.role})
+                queued += 1
+    return queued
+
+
+def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
+    """The winner, its ties and the references, from the rounds measured."""
+    values: dict[str, dict[int, float]] = {e.cfg.key(): {} for e in entries}
+    peaks: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        cfg = trial_config(t)
+        if not (is_confirmation(t) and cfg and cfg.key() in values and t.state == TrialState.COMPLETE
+                and t.user_attrs.get(Attr.STATUS) == "ok"):
+            continue
+        values[cfg.key()][t.user_attrs[Attr.CONFIRMATION_ROUND]] = t.value
+        peaks[cfg.key()] = max(peaks.get(cfg.key(), 0), t.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0))
+    finalists = [e for e in entries if e.role == "finalist" and values[e.cfg.key()]]
+    if not finalists:
+        return None
+    top = max(finalists, key=lambda e: statistics.fmean(values[e.cfg.key()].values()))
+    top_values = values[top.cfg.key()]
+
+    def describe(e: Entry) -> dict[str, Any]:
+        rounds = values[e.cfg.key()]
+        lo, hi = mean_ci95(list(rounds.values()))
+        ratio = paired_ratio(rounds, top_values) if e is not top else None
+        return {"label": e.cfg.describe(), "config": e.cfg.to_dict(), "role": e.role, "trial": e.search_trial,
+                "rounds": len(rounds), "values": [rounds[r] for r in sorted(rounds)],
+                "mean": statistics.fmean(rounds.values()), "ci95": [_finite(lo), _finite(hi)],
+                "peak_memory_bytes": peaks.get(e.cfg.key()), "ratio_to_winner": ratio,
+                # A ratio whose interval reaches 1 (or that one round cannot bound) cannot be told from the winner.
+                "tie": ratio is not None and (ratio["ci95"][1] is None or ratio["ci95"][1] >= 1.0)}
+
+    described = [describe(e) for e in entries if values[e.cfg.key()]]
+    batch = top.cfg.micro_batch_size
+    # The headline compares the winner with each reference at the winner's own micro batch.
+    headline = [d for d in described if d["role"] != "finalist" and d["config"]["micro_batch_size"] == batch]
+    return {
+        "rounds": max(len(v) for v in values.values()),
+        "winner": next(d for d in described if d["config"] == top.cfg.to_dict()),
+        "ties": [d for d in described if d["role"] == "finalist" and d["tie"]],
+        "others": [d for d in described if d not in headline and d["config"] != top.cfg.to_dict()
+                   and not (d["role"] == "finalist" and d["tie"])],
+        "references": {d["role"]: d for d in headline},
+    }
+
+
+def paired_ratio(values: dict[int, float], winner: dict[int, float]) -> dict[str, Any] | None:
+    """Mean ratio to the winner over the rounds both ran, and its 95% CI (per-round log ratios)."""
+    common = sorted(set(values) & set(winner))
+    if not common:
+        return None
+    logs = [math.log(values[r] / winner[r]) for r in common]
+    lo, hi = mean_ci95(logs)
+    return {"mean": math.exp(statistics.fmean(logs)), "rounds": len(common),
+            "ci95": [_finite(math.exp(lo)) if lo > -math.inf else None, _finite(math.exp(hi)) if hi < math.inf else None]}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def store(study: optuna.Study, result: dict[str, Any]) -> None:
+    study.set_user_attr(StudyAttr.CONFIRMATION, result)

@@ -1,0 +1,151 @@
+"""autotune's search and confirmation round, through the seams (scripted launches, in-memory storage)."""
+
+import math
+import random
+
+import optuna
+import pytest
+
+from autotune.config import FsdpConfig, TrialResult
+from autotune.study import run_study
+from autotune.study.record import Attr, StudyAttr, is_confirmation, is_feasible, trial_config
+from autotune.study.margin import ESTIMATE_SLACK
+from autotune.study.search import frontier_configs
+from tests.test_objective import HOST, LAYER, MODEL, MiB, ScriptedEstimator, ScriptedLaunch, ok, settings
+
+SPACE = ("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP, NO_SHARD]\nmixed_precision: [fp32, bf16]\n"
+         "activation_checkpointing: [none, full]\nmicro_batch_size: [1, 2, 4]\n")
+
+
+def speed(cfg: FsdpConfig) -> float:
+    """A smooth landscape like a CPU table's: bf16, bigger batches and less recompute win."""
+    value = 1000.0 * (2.0 if cfg.mixed_precision == "bf16" else 1.0) * (1 + 0.3 * math.log2(cfg.micro_batch_size))
+    value *= 0.8 if cfg.activation_checkpointing == "full" else 1.0
+    value *= {"NO_SHARD": 1.05, "SHARD_GRAD_OP": 1.0, "FULL_SHARD": 0.9}[cfg.sharding_strategy]
+    return value * (1.02 if cfg.fsdp_version == 2 else 1.0)
+
+
+def peak(cfg: FsdpConfig) -> int:
+    """Memory like a real one: batch and no checkpointing cost most, sharding and bf16 save."""
+    base = {"NO_SHARD": 60, "SHARD_GRAD_OP": 45, "FULL_SHARD": 35}[cfg.sharding_strategy]
+    activations = 12 * cfg.micro_batch_size * (0.4 if cfg.activation_checkpointing == "full" else 1.0)
+    return int((base + activations) * (0.7 if cfg.mixed_precision == "bf16" else 1.0) * MiB)
+
+
+@pytest.fixture(autouse=True)
+def private_locks(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(tmp_path / "locks"))
+
+
+def search(tmp_path, budget_mib: int, trials: int, noise: float = 0.0, seed: int = 0, storage=None, space=SPACE, **changes):
+    rng = random.Random(seed)
+
+    def answer(cfg, request):
+        tokens = speed(cfg) * (1 + rng.gauss(0, noise))
+        return ok(tokens=tokens, peak=peak(cfg))
+
+    launch = ScriptedLaunch(answer)
+    estimator = ScriptedEstimator(peak)
+    run = run_study(settings(tmp_path, space, budget=budget_mib * MiB, trials=trials, seed=seed, **changes), HOST, MODEL,
+                    launch=launch, estimator=estimator, storage=storage or optuna.storages.InMemoryStorage())
+    return run, launch
+
+
+def test_no_configuration_is_drawn_or_launched_twice_under_a_tight_budget(tmp_path):
+    run, launch = search(tmp_path, budget_mib=50, trials=80)
+    keys = [c.key() for c in launch.launched]
+    assert len(keys) == len(set(keys)), "a configuration was launched twice"
+    drawn = [trial_config(t).key() for t in run.study.trials if trial_config(t) and not is_confirmation(t)]
+    assert len(drawn) == len(set(drawn)), "a configuration was drawn twice"
+    # Only what may fit is launched: predicted within budget, or over it by less than the estimate's slack.
+    assert all(peak(c) * (1 - ESTIMATE_SLACK) <= 50 * MiB for c in launch.launched[1:]), \
+        "a configuration predicted over budget even at the estimate's low side was launched"
+    near = [t for t in run.study.trials if trial_config(t) and peak(trial_config(t)) > 50 * MiB and not is_confirmation(t)
+            and Attr.WALL_S in t.user_attrs]
+    assert near and all(0 < t.user_attrs[Attr.FIT_CHANCE] < 1 for t in near)
+    # Measured over the budget, they are infeasible like any other: the launch told.
+    assert not any(is_feasible(t) for t in near)
+    # Everything that fits was measured, and the run says that is why it stopped.
+    fitting = [c for c in settings(tmp_path, SPACE).space.enumerate(LAYER) if peak(c) <= 50 * MiB]
+    assert run.stop_reason == "space exhausted"
+    assert {c.key() for c in fitting} <= set(keys)
+    excluded = run.study.user_attrs[StudyAttr.EXCLUDED]
+    assert excluded["count"] > 0 and all(e["reason"] for e in excluded["examples"])
+
+
+def test_the_run_stops_when_its_launches_are_done(tmp_path):
+    run, launch = search(tmp_path, budget_mib=500, trials=6)
+    assert len(launch.launched) == 6 and run.stop_reason == "launches"
+
+
+def test_the_first_launches_are_the_baseline_then_the_memory_frontier(tmp_path):
+    run, launch = search(tmp_path, budget_mib=70, trials=5)
+    baseline, *frontier = launch.launched[:4]
+    assert run.study.trials[0].user_attrs[Attr.BASELINE]
+    # Least communication first, each at its largest micro batch that fits, bf16 (fast here), no recompute if possible.
+    assert [c.sharding_strategy for c in frontier] == ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
+    for cfg in frontier:
+        assert cfg.mixed_precision == "bf16" and cfg.fsdp_version == 2 and peak(cfg) <= 70 * MiB
+        bigger = cfg.replace(micro_batch_size=cfg.micro_batch_size * 2)
+        assert cfg.micro_batch_size == 4 or peak(bigger) > 70 * MiB or cfg.activation_checkpointing == "full"
+
+
+def test_frontier_falls_back_to_checkpointing_only_when_nothing_fits_without():
+    candidates = [FsdpConfig(sharding_strategy="FULL_SHARD", mixed_precision="bf16", activation_checkpointing=ac,
+                             micro_batch_size=m, transformer_layer_cls=LAYER) for ac in ("none", "full") for m in (1, 2)]
+    seeds = frontier_configs(candidates, lambda c: c.activation_checkpointing == "full" and c.micro_batch_size == 1, ("bf16",))
+    assert [(c.activation_checkpointing, c.micro_batch_size) for c in seeds] == [("full", 1)]
+    assert frontier_configs(candidates, lambda c: False, ("bf16",)) == []
+
+
+def test_the_search_finds_the_best_within_a_few_launches(tmp_path):
+    budget = 60
+    best = max((c for c in settings(tmp_path, SPACE).space.enumerate(LAYER) if peak(c) <= budget * MiB), key=speed)
+    run, launch = search(tmp_path, budget_mib=budget, trials=8)
+    found = max((c for c in launch.launched if peak(c) <= budget * MiB), key=speed)
+    assert speed(found) >= 0.97 * speed(best), (found.describe(), best.describe())
+
+
+def test_confirmation_names_the_winner_its_ties_and_the_references(tmp_path):
+    run, launch = search(tmp_path, budget_mib=500, trials=8, noise=0.02, confirm=3)
+    verdict = run.verdict
+    assert verdict is not None and verdict == run.study.user_attrs[StudyAttr.CONFIRMATION]
+    assert verdict["rounds"] == 3 and len(verdict["winner"]["values"]) == 3
+    confirmations = [t for t in run.study.trials if is_confirmation(t)]
+    roles = {t.user_attrs[Attr.CONFIRMATION_ROLE] for t in confirmations}
+    assert {"finalist", "pytorch_defaults"} <= roles
+    # The recommended configuration runs as a reference unless it is a finalist already.
+    finalist_configs = [e["config"] for e in [verdict["winner"], *verdict["ties"], *verdict["others"]]]
+    recommended = {**finalist_configs[0], "fsdp_version": 2, "sharding_strategy": "SHARD_GRAD_OP",
+                   "auto_wrap_policy": "transformer_layer", "mixed_precision": "bf16", "activation_checkpointing": "none",
+                   "forward_prefetch": False, "reshard_after_forward": False}
+    assert "recommended" in roles or recommended in finalist_configs
+    # Interleaved: every round holds every entry before the next round starts.
+    rounds = [t.user_attrs[Attr.CONFIRMATION_ROUND] for t in sorted(confirmations, key=lambda t: t.number)]
+    assert rounds == sorted(rounds)
+    assert verdict["references"]["pytorch_defaults"]["ratio_to_winner"]["mean"] < 0.7  # fp32, no wrap: far slower
+    lo, hi = verdict["winner"]["ci95"]
+    assert lo <= verdict["winner"]["mean"] <= hi
+    for tie in verdict["ties"]:
+        assert tie["ratio_to_winner"]["ci95"][1] is None or tie["ratio_to_winner"]["ci95"][1] >= 1.0
+
+
+def test_a_resumed_study_does_not_redo_finished_rounds(tmp_path):
+    storage = optuna.storages.InMemoryStorage()
+    small = "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP]\nmixed_precision: bf16\nmicro_batch_size: [1, 2]\n"
+    first, _ = search(tmp_path, budget_mib=500, trials=10, noise=0.02, confirm=2, storage=storage, space=small)
+    assert first.stop_reason == "space exhausted" and first.verdict["rounds"] == 2
+    again, launch = search(tmp_path, budget_mib=500, trials=10, noise=0.02, confirm=2, storage=storage, space=small)
+    assert launch.launched == [], "a finished confirmation round ran again"
+    assert again.verdict["winner"]["label"] == first.verdict["winner"]["label"]
+
+
+def test_confirm_0_skips_the_round(tmp_path):
+    run, _ = search(tmp_path, budget_mib=500, trials=5, confirm=0)
+    assert run.verdict is None and not any(is_confirmation(t) for t in run.study.trials)
+
+
+def test_a_search_sampler_of_optuna_still_runs(tmp_path):
+    for sampler in ("tpe", "gp", "random"):
+        run, launch = search(tmp_path / sampler, budget_mib=60, trials=4, search=sampler)
+        assert len(launch.launched) == 4, sampler
