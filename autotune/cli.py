@@ -12,12 +12,15 @@ import sys
 from typing import Any, Sequence
 
 from autotune import __version__, interrupts
-from autotune.config import MIN_WARMUP_STEPS, SEARCHES
+from autotune.config import DEFAULT_TIMED_STEPS, MIN_WARMUP_STEPS, SEARCHES
 from autotune.errors import UsageError
 from autotune.outputs.formats import FORMATS
 from autotune.study.storage import DEFAULT_STORAGE
 
-DEFAULT_TRIALS = 20
+# Enough for the search to reach the best within noise on the replayed table
+# (benchmarks/results/search_efficiency_cpu.md), with room for the confirmation
+# round, in about 4 minutes on 2 cores.
+DEFAULT_TRIALS = 16
 DEFAULT_CONFIRM_ROUNDS = 3
 DEFAULT_TRIAL_TIMEOUT_S = 300.0
 
@@ -116,8 +119,8 @@ def _add_run(commands: Any) -> None:
     run.add_argument("--warmup-steps", type=_at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory"), default=MIN_WARMUP_STEPS,
                      help=f"untimed steps before timing, at least {MIN_WARMUP_STEPS}: the first allocates optimizer "
                           f"state, the last measures peak memory (default: {MIN_WARMUP_STEPS})")
-    run.add_argument("--timed-steps", type=_positive_int, default=10,
-                     help="most timed steps per trial; tokens/s uses their median step time (default: 10)")
+    run.add_argument("--timed-steps", type=_positive_int, default=DEFAULT_TIMED_STEPS,
+                     help=f"most timed steps per trial; tokens/s uses their median step time (default: {DEFAULT_TIMED_STEPS})")
     run.add_argument("--timing-ci", type=_fraction, default=0.02, metavar="FRACTION",
                      help="stop timing a trial, after at least 3 steps, once its median step time is known to within "
                           "this fraction at 95%% confidence; 0 always runs every timed step (default: 0.02)")

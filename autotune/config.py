@@ -266,6 +266,17 @@ MIN_WARMUP_STEPS = 2
 # A trial given ``abort_below_tokens_per_s`` is judged after this many timed
 # steps: the worker stops there, and replays of a measured table charge that many.
 ABORT_CHECK_STEPS = 2
+# Most timed steps a trial runs by default. Trials of one configuration differ
+# by more than a trial's steps do (benchmarks/results/noise_cpu.md: single-trial
+# CV 7-18% against a step-time median known to +-3-5% from 6 steps), so beyond
+# a few steps, time is better spent on another interleaved round than on more
+# steps of one trial.
+DEFAULT_TIMED_STEPS = 6
+# The first warm-up step (optimizer state allocated, caches cold) runs at
+# most about 1.5x a timed step's time here; a first step this many times below
+# the abort threshold already shows the trial is hopeless (fp16 on a CPU
+# without fp16 units: 20x), and the rest of its warm-up is not worth waiting for.
+WARMUP_ABORT_SLACK = 4.0
 
 
 @dataclass(frozen=True)
@@ -276,7 +287,7 @@ class TrialRequest:
     model: str = "llama-tiny"
     seq_len: int = 256
     warmup_steps: int = 2
-    timed_steps: int = 10
+    timed_steps: int = DEFAULT_TIMED_STEPS
     seed: int = 0
     # "auto" picks CUDA + NCCL when GPUs are visible, else CPU + gloo.
     device: str = "auto"

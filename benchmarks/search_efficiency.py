@@ -182,6 +182,8 @@ class Replay:
 
     path: list[tuple[float | None, float]] = field(default_factory=list)
     confirmed: float | None = None
+    # The true values of the configurations the verdict named: the winner and its ties.
+    named: tuple[float, ...] = ()
     seconds: float = 0.0
 
 
@@ -205,6 +207,8 @@ def replay_tuner(budget: Budget, seed: int, launches: int, work: Path, search: s
             replay.path.append((budget.value(cfg), _cost(table, cfg, aborted)))
     if run.verdict is not None:
         replay.confirmed = budget.value(FsdpConfig.from_dict(run.verdict["winner"]["config"]))
+        replay.named = tuple(budget.value(FsdpConfig.from_dict(e["config"])) or 0.0
+                             for e in [run.verdict["winner"], *run.verdict["ties"]])
     return replay
 
 
@@ -299,14 +303,17 @@ def replay_budget(budget: Budget, seeds: int, launches: int, strategies: list[st
     return replays
 
 
-def confirmation_accuracy(budget: Budget, seeds: int, work: Path) -> tuple[int, int, float]:
-    """Seeds whose confirmed winner (default trials and rounds) is within the band of the true best."""
-    hits, seconds = 0, 0.0
+def confirmation_accuracy(budget: Budget, seeds: int, work: Path) -> tuple[int, int, float, int]:
+    """Seeds whose confirmed winner (default trials and rounds) is within the band of the true best;
+    and seeds in which the winner or one of the ties it named is (the user is told they are ties)."""
+    hits, named, seconds = 0, 0, 0.0
+    target = budget.best * (1 - BAND)
     for seed in range(seeds):
         replay = replay_tuner(budget, seed, DEFAULT_TRIALS, work / f"confirm-{seed}", "autotune", True, DEFAULT_CONFIRM)
-        hits += replay.confirmed is not None and replay.confirmed >= budget.best * (1 - BAND)
+        hits += replay.confirmed is not None and replay.confirmed >= target
+        named += bool(replay.named) and max(replay.named) >= target
         seconds += replay.seconds
-    return hits, seeds, seconds
+    return hits, seeds, seconds, named
 
 
 def summarize_budget(budget: Budget, replays: dict[str, list[Replay]], launches: int) -> dict[str, dict]:
@@ -338,9 +345,10 @@ def budget_lines(budget: Budget, stats: dict[str, dict], launches: int, accuracy
         lines.append(f"| {name} | {show(s['median'])} | {show(s['p90'])} | {s['reached']}/{s['seeds']} | {ratio:.1f}x | "
                      f"{s['regret10']:.1%} | {s['regret20']:.1%} | {s['seconds']:.0f} |")
     if accuracy is not None:
-        hits, seeds, seconds = accuracy
+        hits, seeds, seconds, named = accuracy
         lines += ["", f"Confirmed winner within {BAND:.0%} of the true best ({DEFAULT_TRIALS} launches, then "
-                      f"{DEFAULT_CONFIRM} confirmation rounds): {hits}/{seeds} seeds ({seconds:.0f} s of replay)."]
+                      f"{DEFAULT_CONFIRM} confirmation rounds): {hits}/{seeds} seeds; the winner or a tie it named "
+                      f"within {BAND:.0%}: {named}/{seeds} ({seconds:.0f} s of replay)."]
     return lines
 
 
@@ -356,7 +364,7 @@ def verdicts(budget: Budget, stats: dict[str, dict], accuracy: tuple | None) -> 
         tpe = stats["optuna-tpe"]["median"]
         out.append((f"{budget.name}: never worse than plain TPE", a["median"] <= tpe, f"{show(a['median'])} vs {show(tpe)}"))
     if accuracy is not None:
-        hits, seeds, _ = accuracy
+        hits, seeds, _, _ = accuracy
         out.append((f"{budget.name}: confirmed winner within {BAND:.0%} in >= {TARGETS['confirmed']:.0%} of seeds",
                     hits >= TARGETS["confirmed"] * seeds, f"{hits}/{seeds}"))
     return out

@@ -136,11 +136,13 @@ def test_timing_stops_once_the_mean_is_known_and_never_before_three_steps(tmp_pa
     assert exact.timed_steps == 6  # timing_ci=0 runs every timed step
 
 
-def test_a_hopeless_trial_stops_after_two_timed_steps_with_its_partial_figure(tmp_path_factory, forks):
+def test_a_hopeless_trial_stops_after_its_first_warm_up_step_with_its_partial_figure(tmp_path_factory, forks):
+    # Far below the threshold from the first step on: the rest of the warm-up is not run.
+    # (Stopping after two timed steps, when only those show it, is tests/test_timing.py's.)
     cfg = FsdpConfig(fsdp_version=2, transformer_layer_cls=("LlamaDecoderLayer",))
     outcome = _run(tmp_path_factory, cfg, forks=forks, abort_below_tokens_per_s=1e12)
     result = outcome.result
     assert result.status == "aborted", outcome.log_path.read_text()[-3000:]
-    assert result.timed_steps == 2
-    assert 0 < result.tokens_per_s < 1e12
-    assert result.peak_memory_bytes > 0  # measured in the warm-up, so kept too
+    assert result.timed_steps == 0 and result.rank_memory == []
+    assert 0 < result.tokens_per_s < 1e12 / 4
+    assert result.peak_memory_bytes is None  # the memory step never ran

@@ -24,6 +24,7 @@ class ModelInfo:
 
 
 BF16_FAST_CAPABILITY = (8, 0)
+FP16_FAST_CAPABILITY = (7, 0)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class HostInfo:
     transformers_version: str
     # CUDA compute capability (major, minor) of the first visible GPU.
     cuda_capability: tuple[int, int] | None = None
+    # fp32 matmul time / fp16 matmul time, measured on CPU hosts (None on CUDA,
+    # and in records from before it was measured).
+    fp16_speedup: float | None = None
 
     @property
     def device_count(self) -> int:
@@ -55,6 +59,15 @@ class HostInfo:
             # bf16 tensor cores arrived with Ampere (8.0); before, it is emulated.
             return self.cuda_capability is not None and tuple(self.cuda_capability) >= BF16_FAST_CAPABILITY
         return (self.bf16_speedup or 0) >= 1.0
+
+    @property
+    def fp16_is_fast(self) -> bool:
+        if not self.fp16_supported:
+            return False
+        if self.device_type == "cuda":
+            # fp16 tensor cores arrived with Volta (7.0).
+            return self.cuda_capability is None or tuple(self.cuda_capability) >= FP16_FAST_CAPABILITY
+        return (self.fp16_speedup or 0) >= 1.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

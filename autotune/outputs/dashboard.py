@@ -48,7 +48,9 @@ def confirmation_lines(verdict: dict) -> list[str]:
         lines.append(f"\n- tie: `{tie['label']}`: {tie['mean']:,.0f} tokens/s, peak {format_bytes(tie['peak_memory_bytes'] or 0)}")
     for role, ref in verdict["references"].items():
         ratio = ref.get("ratio_to_winner") or {}
-        if ratio:
+        if ref["config"] == w["config"]:
+            lines.append(f"\n- {role.replace('_', ' ')}: the winner is it")
+        elif ratio:
             lines.append(f"\n- {role.replace('_', ' ')} (`{ref['label']}`): the winner is {1 / ratio['mean']:.2f}x it")
     lines.append("\nExport it: `autotune export -f accelerate|hf|torchtitan|python|json`.")
     return lines

@@ -9,7 +9,9 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import SEARCH_FIELDS
-from autotune.study.record import CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_feasible, trial_config
+from autotune.study.record import (
+    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_feasible, trial_config, verdict_entries,
+)  # fmt: skip
 from autotune.units import format_bytes
 
 FEASIBLE = "#1f77b4"
@@ -145,9 +147,9 @@ def confirmation_figure(verdict: dict | None):
 
     if not verdict:
         return None
-    entries = [verdict["winner"], *verdict["ties"], *verdict["others"], *verdict["references"].values()]
-    names = [f"{e['label']} ({'winner' if e is verdict['winner'] else 'tie' if e in verdict['ties'] else e['role']})"
-             for e in entries]
+    parts = verdict_entries(verdict)
+    entries = [e for e, _ in parts]
+    names = [f"{e['label']} ({part})" for e, part in parts]
     means = [e["mean"] for e in entries]
     upper = [(e["ci95"][1] - e["mean"]) if e["ci95"][1] is not None else 0 for e in entries]
     lower = [(e["mean"] - e["ci95"][0]) if e["ci95"][0] is not None else 0 for e in entries]

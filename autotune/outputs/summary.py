@@ -10,7 +10,9 @@ from autotune.outputs.export import build_export, write_export
 from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
 from autotune.study.identity import RunSettings
-from autotune.study.record import Attr, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, winner
+from autotune.study.record import (
+    Attr, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, verdict_entries, winner,
+)  # fmt: skip
 from autotune.study.runner import RunOutcome
 from autotune.study.storage import study_dir
 from autotune.units import format_bytes
@@ -80,11 +82,9 @@ def print_top(trials: list, settings: RunSettings) -> None:
 
 def print_verdict(verdict: dict, settings: RunSettings) -> None:
     """The confirmation round: every finalist's mean with its CI, the winner, the ties, the references."""
-    entries = [verdict["winner"], *verdict["ties"], *verdict["others"], *verdict["references"].values()]
     rows = [[f"{e['mean']:,.0f}", _ci_text(e["ci95"]), format_bytes(e["peak_memory_bytes"] or 0), e["label"],
-             "winner" if e is verdict["winner"] else ("tie" if e in verdict["ties"] else e["role"] if e["role"] != "finalist"
-                                                      else f"slower: {_ratio_text(e['ratio_to_winner'])} of the winner")]
-            for e in entries]
+             f"slower: {_ratio_text(e['ratio_to_winner'])} of the winner" if part == "slower" else part]
+            for e, part in verdict_entries(verdict)]
     print(f"\nConfirmation: {verdict['rounds']} interleaved round(s) of fresh trials:")
     print(format_table(["mean tok/s", "95% CI", "peak", "configuration", "verdict"], rows, right=(0, 1, 2)))
     w = verdict["winner"]
@@ -100,11 +100,14 @@ def print_verdict(verdict: dict, settings: RunSettings) -> None:
     for role in ("recommended", "pytorch_defaults"):
         ref = verdict["references"].get(role)
         if ref is None:
-            print(f"  vs {ROLE_NAMES[role]} at micro batch {batch}: not measured (it is the winner or a finalist, "
-                  "or cannot run within the budget here)")
+            print(f"  vs {ROLE_NAMES[role]} at micro batch {batch}: not measured (it cannot run, or is predicted "
+                  "not to fit, here)")
             continue
-        print(f"  {_speedup_text(ref['ratio_to_winner'])} {ROLE_NAMES[role]} at micro batch "
-              f"{ref['config']['micro_batch_size']}, measured in the same rounds")
+        if ref["config"] == w["config"]:
+            print(f"  The winner is {ROLE_NAMES[role]} at micro batch {batch}: 1.00x")
+            continue
+        print(f"  Against {ROLE_NAMES[role]} at micro batch {ref['config']['micro_batch_size']}: "
+              f"{_speedup_text(ref['ratio_to_winner'])}, measured in the same rounds")
 
 
 def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
@@ -137,11 +140,11 @@ def _ratio_text(ratio: dict | None) -> str:
 def _speedup_text(ratio: dict | None) -> str:
     """The winner over a reference, from the reference's ratio to the winner."""
     if not ratio:
-        return "? x"
+        return "not comparable (no round in common)"
     lo, hi = ratio["ci95"]
-    bounds = f" (95% CI {1 / hi:.2f}-{1 / lo:.2f})" if lo and hi else ""
-    verdict = " - a tie" if lo is not None and hi is not None and lo <= 1 <= hi else ""
-    return f"{1 / ratio['mean']:.2f}x{bounds}{verdict}: the winner against"
+    tie = lo is not None and hi is not None and lo <= 1 <= hi
+    bounds = f" (95% CI {1 / hi:.2f}-{1 / lo:.2f}{': a tie' if tie else ''})" if lo and hi else " (one round: no CI)"
+    return f"{1 / ratio['mean']:.2f}x{bounds}"
 
 
 def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> str:

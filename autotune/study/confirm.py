@@ -18,6 +18,7 @@ resumed study runs only the rounds it lacks; the verdict is the study's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ class Entry:
     cfg: FsdpConfig
     role: str
     search_trial: int | None = None
+    # The references a finalist also is (it runs once, and serves as both).
+    also: tuple[str, ...] = ()
 
 
 def round_entries(study: optuna.Study, host: HostInfo, space: SearchSpace, layer_classes: tuple[str, ...],
@@ -92,9 +95,10 @@ def round_entries(study: optuna.Study, host: HostInfo, space: SearchSpace, layer
     for batch in dict.fromkeys(e.cfg.micro_batch_size for e in entries[:len(finalists)]):
         for role, cfg in (("recommended", recommended.replace(micro_batch_size=batch)),
                           ("pytorch_defaults", pytorch_defaults(layer_classes, batch))):
-            if any(e.cfg.key() == cfg.key() for e in entries):
-                continue
-            if host_incompatibility(cfg, host, nnodes) is None and fits(cfg) is None:
+            same = next((i for i, e in enumerate(entries) if e.cfg.key() == cfg.key()), None)
+            if same is not None:
+                entries[same] = dataclasses.replace(entries[same], also=entries[same].also + (role,))
+            elif host_incompatibility(cfg, host, nnodes) is None and fits(cfg) is None:
                 entries.append(Entry(cfg, role))
     return entries
 
@@ -149,7 +153,8 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
         rounds = values[e.cfg.key()]
         lo, hi = mean_ci95(list(rounds.values()))
         ratio = paired_ratio(rounds, top_values) if e is not top else None
-        return {"label": e.cfg.describe(), "config": e.cfg.to_dict(), "role": e.role, "trial": e.search_trial,
+        return {"label": e.cfg.describe(), "config": e.cfg.to_dict(), "role": e.role, "also": list(e.also),
+                "trial": e.search_trial,
                 "rounds": len(rounds), "values": [rounds[r] for r in sorted(rounds)],
                 "mean": statistics.fmean(rounds.values()), "ci95": [_finite(lo), _finite(hi)],
                 "peak_memory_bytes": peaks.get(e.cfg.key()), "ratio_to_winner": ratio,
@@ -158,15 +163,21 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
 
     described = [describe(e) for e in entries if values[e.cfg.key()]]
     batch = top.cfg.micro_batch_size
-    # The headline compares the winner with each reference at the winner's own micro batch.
-    headline = [d for d in described if d["role"] != "finalist" and d["config"]["micro_batch_size"] == batch]
+    # The headline compares the winner with each reference at the winner's own
+    # micro batch; a finalist that is also a reference (the winner itself
+    # included) serves as it.
+    references = {}
+    for d in described:
+        if d["config"]["micro_batch_size"] == batch:
+            for role in ([d["role"]] if d["role"] != "finalist" else []) + d["also"]:
+                references[role] = d
     return {
         "rounds": max(len(v) for v in values.values()),
         "winner": next(d for d in described if d["config"] == top.cfg.to_dict()),
         "ties": [d for d in described if d["role"] == "finalist" and d["tie"]],
-        "others": [d for d in described if d not in headline and d["config"] != top.cfg.to_dict()
-                   and not (d["role"] == "finalist" and d["tie"])],
-        "references": {d["role"]: d for d in headline},
+        "others": [d for d in described if d["role"] != "finalist" and d not in references.values()
+                   or d["role"] == "finalist" and not d["tie"] and d["config"] != top.cfg.to_dict()],
+        "references": references,
     }
 
 

@@ -90,7 +90,7 @@ class MemoryGate:
                 return None  # no estimate, no cap: every configuration gets launched
             self.plan.frugal = (cfg, self.margin().apply(prediction["peak_bytes"]))
             # The cap keeps every micro batch that may fit: the search weighs the doubtful ones.
-            if self.margin().lowest(prediction["peak_bytes"]) <= self.budget_bytes:
+            if self.margin().lowest(prediction["peak_bytes"], prediction.get("method")) <= self.budget_bytes:
                 return mbs
         return 0
 
@@ -132,12 +132,12 @@ class MemoryGate:
             return None, None, None, 1.0
         margin = self.margin()
         device_peak = margin.apply(prediction["peak_bytes"])
-        chance = fit_chance(margin, prediction["peak_bytes"], self.budget_bytes)
+        chance = fit_chance(margin, prediction["peak_bytes"], self.budget_bytes, prediction.get("method"))
         if chance > 0.0:
             return None, prediction, device_peak, chance
         return (f"predicted peak {format_bytes(device_peak)} ({prediction.get('method')}, margin: {margin.source}) "
                 f"is over the budget {format_bytes(self.budget_bytes)}, even at the estimate's low side "
-                f"{format_bytes(margin.lowest(prediction['peak_bytes']))}"), prediction, device_peak, chance
+                f"{format_bytes(margin.lowest(prediction['peak_bytes'], prediction.get('method')))}"), prediction, device_peak, chance
 
     def prediction(self, cfg: FsdpConfig) -> dict[str, Any] | None:
         """The fake-step estimate of ``cfg``, from the study's trials when one has it."""
@@ -157,7 +157,8 @@ class MemoryGate:
 
     def margin(self) -> Margin:
         """The device margin, calibrated on this study's measured, launched trials."""
-        pairs = [(t.user_attrs[Attr.PEAK_MEMORY_BYTES], t.user_attrs[Attr.PREDICTED_PEAK_BYTES])
+        pairs = [(t.user_attrs[Attr.PEAK_MEMORY_BYTES], t.user_attrs[Attr.PREDICTED_PEAK_BYTES],
+                  t.user_attrs.get(Attr.PREDICTION_METHOD))
                  for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                  if t.user_attrs.get(Attr.PREDICTED_PEAK_BYTES) and t.user_attrs.get(Attr.STATUS) == "ok"
                  and Attr.REUSED_FROM not in t.user_attrs]

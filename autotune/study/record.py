@@ -147,6 +147,30 @@ def winner(study: Any) -> Any | None:
     return best_search_trial(study)
 
 
+def verdict_entries(verdict: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """Each configuration of a confirmation verdict once, winner first, with what it was
+    found to be: winner, tie, slower, or the reference it is (``also`` the references a
+    finalist served as)."""
+    out, seen = [], set()
+    # Compared by configuration: a verdict read back from storage holds copies.
+    for e in [verdict["winner"], *verdict["ties"], *verdict["others"], *verdict["references"].values()]:
+        key = json.dumps(e["config"], sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        if e["config"] == verdict["winner"]["config"]:
+            part = "winner"
+        elif e in verdict["ties"]:
+            part = "tie"
+        elif e["role"] == "finalist":
+            part = "slower"
+        else:
+            part = e["role"]
+        also = [r for r in e.get("also", []) if r != part]
+        out.append((e, part + (f" (= {', '.join(also)})" if also else "")))
+    return out
+
+
 def best_search_trial(study: Any) -> Any | None:
     """The fastest feasible trial of the search (a single measurement)."""
     feasible = [t for t in search_trials(study) if is_feasible(t)]

@@ -31,7 +31,7 @@ from autotune.study.identity import RunSettings, check_resumable, load_or_create
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed
 from autotune.study.record import StudyAttr
 from autotune.study.reporter import Reporter
-from autotune.study.search import ModelSearch, held_keys
+from autotune.study.search import ModelSearch, held_keys, precision_effects
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper
 from autotune.study.storage import open_storage, study_dir
 
@@ -142,7 +142,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
                   if host_incompatibility(c, host, settings.nnodes) is None]
     search = None
     if settings.search == "autotune":
-        search = ModelSearch(candidates, model.layer_classes, gate.fit_chance, host.bf16_is_fast, seed=settings.seed,
+        search = ModelSearch(candidates, model.layer_classes, gate.fit_chance, precision_effects(host), seed=settings.seed,
                              use_frontier=settings.seed_frontier, say=reporter.say)
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
                           gate=gate, claims=Claims(study, folder / "claims.lock", settings.trial_timeout_s + 60),
@@ -178,7 +178,7 @@ def _enqueue_frontier(parts: _Parts) -> None:
     """Queue the memory frontier for one of Optuna's samplers (autotune's search proposes it itself)."""
     candidates = [c for c in parts.settings.space.enumerate(parts.model.layer_classes)
                   if host_incompatibility(c, parts.host, parts.settings.nnodes) is None]
-    seeds = ModelSearch(candidates, parts.model.layer_classes, parts.gate.fit_chance, parts.host.bf16_is_fast).frontier()
+    seeds = ModelSearch(candidates, parts.model.layer_classes, parts.gate.fit_chance, precision_effects(parts.host)).frontier()
     held = held_keys(parts.study, parts.model.layer_classes)
     for cfg in seeds:
         if cfg.key() not in held:

@@ -32,6 +32,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import SEARCH_FIELDS, FsdpConfig
+from autotune.launch.host import HostInfo
 from autotune.study.record import Attr, trial_config
 
 # Prior on each choice's effect on log tokens/s (standard deviation), and the
@@ -41,6 +42,20 @@ NOISE_SD_FLOOR = 0.03
 # Sharding strategies by how much they communicate, least first: with the
 # memory to spare, less sharding is usually faster.
 BY_COMMUNICATION = ("NO_SHARD", "HYBRID_SHARD_ZERO2", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
+
+
+def precision_effects(host: HostInfo) -> dict[str, float]:
+    """What each precision is expected to do to log tokens/s on this host,
+    before any trial: the search's prior, and the frontier's order. The host
+    probe says which low precisions this device runs fast."""
+    if host.bf16_is_fast:
+        effects = {"fp32": -0.3, "bf16": 0.3, "bf16_fp32_reduce": 0.25}
+    else:
+        effects = {"fp32": 0.0, "bf16": -0.5, "bf16_fp32_reduce": -0.55}
+    # With fp16 units, fp16 is about as fast as bf16 (less its grad scaler);
+    # without them it runs far slower than fp32 (20x on this CPU).
+    effects["fp16"] = 0.25 if host.fp16_is_fast else -1.0
+    return effects
 
 
 def config_params(cfg: FsdpConfig) -> dict[str, Any]:
@@ -108,20 +123,21 @@ class ModelSearch:
     """Proposes the unmeasured, runnable configuration with the largest expected improvement."""
 
     def __init__(self, candidates: list[FsdpConfig], layer_classes: tuple[str, ...],
-                 fit_chance: Callable[[FsdpConfig], tuple[float, str | None]], bf16_is_fast: bool, seed: int = 0,
+                 fit_chance: Callable[[FsdpConfig], tuple[float, str | None]], precisions: dict[str, float], seed: int = 0,
                  use_frontier: bool = True, say: Callable[[str], None] = lambda _: None) -> None:
         self.candidates = candidates
         self.layer_classes = layer_classes
         # (chance to fit, why not when it is 0): the memory gate.
         self.fit_chance = fit_chance
-        self.bf16_is_fast = bf16_is_fast
+        # Each precision's expected effect (see :func:`precision_effects`).
+        self.precisions = precisions
         self.say = say
         # Made at the first proposal, once the gate has planned; () when off.
         self._frontier: list[FsdpConfig] | None = None if use_frontier else []
         self.excluded: dict[str, str] = {}
         self._rng = np.random.default_rng(seed)
         self._encoder = _Encoder(candidates)
-        self._prior = self._encoder.prior(bf16_is_fast)
+        self._prior = self._encoder.prior(precisions)
         self.exhausted = False
         # The proposal made by :meth:`has_next`, handed to the next draw.
         self._next: FsdpConfig | None = None
@@ -150,7 +166,7 @@ class ModelSearch:
     def frontier(self) -> list[FsdpConfig]:
         """The memory frontier (see :func:`frontier_configs`), in the precisions this host runs fastest first."""
         if self._frontier is None:
-            fast = ("bf16", "bf16_fp32_reduce", "fp32") if self.bf16_is_fast else ("fp32", "bf16_fp32_reduce", "bf16")
+            fast = tuple(sorted(self.precisions, key=lambda p: -self.precisions[p]))
             self._frontier = frontier_configs(self.candidates, lambda c: self.fit_chance(c)[0] >= 1.0, fast)
             if self._frontier:
                 self.say(f"Frontier, measured first: {'; '.join(c.describe() for c in self._frontier)}")
@@ -249,14 +265,12 @@ class _Encoder:
             if len(values) > 1:
                 self.columns += [(f.name, v) for v in values]
 
-    def prior(self, bf16_is_fast: bool) -> np.ndarray:
+    def prior(self, precisions: dict[str, float]) -> np.ndarray:
         """What FSDP practice expects of each choice, in log tokens/s: a fast
         low precision, no recompute, larger micro batches, no offload. The data
         soon outweighs it; it orders the search until then."""
-        low = 0.3 if bf16_is_fast else -0.5
         effects = {
-            "mixed_precision": {"'fp32'": -0.3 if bf16_is_fast else 0.0, "'bf16'": low, "'bf16_fp32_reduce'": low - 0.05,
-                                "'fp16'": low - 0.05},
+            "mixed_precision": {repr(name): effect for name, effect in precisions.items()},
             "activation_checkpointing": {"'none'": 0.0, "'every_other_layer'": -0.1, "'full'": -0.2},
             "cpu_offload": {"True": -0.5, "False": 0.0},
         }

@@ -45,9 +45,10 @@ def build_result(
         skipped_steps=measurement.skipped_steps,
         phases={k: round(v, 4) for k, v in phases.items()},
     )
-    result.rank_memory = list(gathered)
+    # A trial stopped in its warm-up never reached the memory step.
+    result.rank_memory = list(gathered) if all(gathered) else []
     result.timed_steps = len(measurement.step_times)
-    result.peak_memory_bytes = max(m.peak for m in result.rank_memory)
+    result.peak_memory_bytes = max(m.peak for m in result.rank_memory) if result.rank_memory else None
     result.memory_method = "cuda_caching_allocator" if rank.device.type == "cuda" else "live_tensor_storages"
     if measurement.aborted_tokens_per_s is not None:
         result.status = "aborted"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autotune.config import ABORT_CHECK_STEPS, RankMemory, TrialRequest
+from autotune.config import ABORT_CHECK_STEPS, WARMUP_ABORT_SLACK, RankMemory, TrialRequest
 from autotune.worker.fsdp import make_grad_scaler
 from autotune.stats import relative_median_ci95
 from autotune.worker.measure import LiveStorageTracker
@@ -111,14 +111,23 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
     result = Measurement()
 
     phase_start = time.perf_counter()
+    tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
     # The first step allocates optimizer state, so memory is measured on a
     # later one; it is untimed anyway, and so serves as a warm-up step too.
     stepped = False
-    for _ in range(request.warmup_steps - 1):
+    for i in range(request.warmup_steps - 1):
+        start = time.perf_counter()
         stepped = trainer.step()
         result.skipped_steps += not stepped
         if result.loss_first is None:
             result.loss_first = float(trainer.loss.item())
+        if i == 0 and request.abort_below_tokens_per_s is not None:
+            synchronize(device)
+            first = tokens_per_step / _max_across_ranks(time.perf_counter() - start, device)
+            if first < request.abort_below_tokens_per_s / WARMUP_ABORT_SLACK:
+                result.aborted_tokens_per_s = first
+                result.phases["warmup_s"] = time.perf_counter() - phase_start
+                return result
     for _ in range(MAX_SCALE_SETTLE_STEPS):
         result.memory, stepped = measure_memory_step(trainer.step, rank)
         if stepped:
@@ -137,7 +146,6 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
 
     dist.barrier()
     phase_start = time.perf_counter()
-    tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
     result.step_times, skipped, result.aborted_tokens_per_s = time_steps(
         timed_step, request.timed_steps, request.timing_ci, request.abort_below_tokens_per_s, tokens_per_step)
     result.skipped_steps += skipped
