@@ -167,6 +167,17 @@ def main() -> int:
             lines.append(f"| {mode} | {name}: `{candidates[name].describe()}` | {', '.join(f'{x:,.0f}' for x in values)} | "
                          f"{statistics.fmean(values):,.0f} | {100 * single:.1f}% | {100 * predicted:.1f}% | "
                          + (f"{100 * measured:.1f}%" if measured is not None else "too few rounds") + " |")
+    lines += ["", "What the confirmation round decides on is the ratio of two configurations measured in the same "
+              "round, where a drift of the machine cancels:", "",
+              f"| mode | configuration | per-round ratio to the best | CV of the ratio | of a {args.rounds}-round mean ratio |",
+              "|---|---|---|---:|---:|"]
+    for mode, by_name in speeds.items():
+        for name, values in by_name.items():
+            if name == "best found":
+                continue
+            ratios = [v / b for v, b in zip(values, by_name["best found"])]
+            lines.append(f"| {mode} | {name} | {', '.join(f'{r:.3f}' for r in ratios)} | {100 * cv(ratios):.1f}% | "
+                         f"{100 * cv(ratios) / args.rounds ** 0.5:.1f}% |")
     lines += ["", "| configuration (pinned) | speed-up of the best, ratio of means | MFU |", "|---|---:|---:|"]
     for name, cfg in candidates.items():
         lines.append(f"| {name} | {means['best found'] / means[name]:.2f}x | {100 * means[name] * flops_per_token / peak:.1f}% |")

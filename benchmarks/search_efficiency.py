@@ -34,6 +34,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import random
 import shutil
 import statistics
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -286,30 +288,56 @@ STRATEGIES = {
 MEDIAN_ONLY = ("gp", "gp + frontier")
 
 
-def replay_budget(budget: Budget, seeds: int, launches: int, strategies: list[str], work: Path) -> dict[str, list[Replay]]:
-    replays: dict[str, list[Replay]] = {name: [] for name in strategies}
+def _replay_one(budget: Budget, name: str, seed: int, launches: int, work: Path) -> Replay:
+    """One seed of one strategy (a function of the module, so that worker processes can run it)."""
+    if name == "confirmation":
+        return replay_tuner(budget, seed, DEFAULT_TRIALS, work, "autotune", True, DEFAULT_CONFIRM)
+    return STRATEGIES[name](budget, seed, launches, work)
+
+
+def run_replays(pool: Executor, budget: Budget, jobs: list[tuple[str, int]], launches: int, work: Path
+                ) -> dict[str, list[Replay]]:
+    """Every (strategy, seed) of ``jobs`` on the pool; the replays of each strategy in seed order."""
+    futures = {pool.submit(_replay_one, budget, name, seed, launches, work / f"{name}-{seed}"): (name, seed)
+               for name, seed in jobs}
+    done: dict[tuple[str, int], Replay] = {}
+    for i, future in enumerate(as_completed(futures), 1):
+        done[futures[future]] = future.result()
+        if i % 20 == 0 or i == len(futures):
+            print(f"{budget.name}: {i}/{len(futures)} replays", file=sys.stderr, flush=True)
+    out: dict[str, list[Replay]] = {}
+    for name, seed in sorted(done, key=lambda k: k[1]):
+        out.setdefault(name, []).append(done[(name, seed)])
+    return out
+
+
+def replay_budget(pool: Executor, budget: Budget, seeds: int, launches: int, strategies: list[str], work: Path
+                  ) -> dict[str, list[Replay]]:
     grid_order = [c for c in budget.table.configs if c in budget.table.runnable]
-    for seed in range(seeds):
-        for name in strategies:
-            if name == "random":
+    tuned = run_replays(pool, budget, [(name, seed) for seed in range(seeds) for name in strategies
+                                       if name not in ("random", "grid")], launches, work)
+    replays: dict[str, list[Replay]] = {}
+    for name in strategies:
+        if name == "random":
+            replays[name] = []
+            for seed in range(seeds):
                 order = list(budget.table.runnable)
                 random.Random(seed).shuffle(order)
                 replays[name].append(replay_order(budget, order))
-            elif name == "grid":
-                replays[name].append(replay_order(budget, grid_order))
-            else:
-                replays[name].append(STRATEGIES[name](budget, seed, launches, work / f"{name}-{seed}"))
-        print(f"{budget.name}: seed {seed + 1}/{seeds}", file=sys.stderr, flush=True)
+        elif name == "grid":
+            replays[name] = [replay_order(budget, grid_order)] * seeds
+        else:
+            replays[name] = tuned[name]
     return replays
 
 
-def confirmation_accuracy(budget: Budget, seeds: int, work: Path) -> tuple[int, int, float, int]:
+def confirmation_accuracy(pool: Executor, budget: Budget, seeds: int, work: Path) -> tuple[int, int, float, int]:
     """Seeds whose confirmed winner (default trials and rounds) is within the band of the true best;
     and seeds in which the winner or one of the ties it named is (the user is told they are ties)."""
     hits, named, seconds = 0, 0, 0.0
     target = budget.best * (1 - BAND)
-    for seed in range(seeds):
-        replay = replay_tuner(budget, seed, DEFAULT_TRIALS, work / f"confirm-{seed}", "autotune", True, DEFAULT_CONFIRM)
+    for replay in run_replays(pool, budget, [("confirmation", seed) for seed in range(seeds)], DEFAULT_TRIALS,
+                              work)["confirmation"]:
         hits += replay.confirmed is not None and replay.confirmed >= target
         named += bool(replay.named) and max(replay.named) >= target
         seconds += replay.seconds
@@ -404,6 +432,8 @@ def main() -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
     parser.add_argument("--figure", default=None, help="write the plotly figure of the median budget here (.html; a .png beside it)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="replays run side by side, one process each (default: one per core)")
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.launches = 2, 12
@@ -418,13 +448,14 @@ def main() -> int:
     strategies = [s for s in args.strategies.split(",") if s]
     started = time.perf_counter()
     lines, results, curves = [], [], {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:
         for name, size in budgets.items():
             budget = Budget(table, name, size)
             chosen = [s for s in strategies if name == "p50" or s not in MEDIAN_ONLY]
-            replays = replay_budget(budget, args.seeds, args.launches, chosen, Path(tmp) / name)
+            replays = replay_budget(pool, budget, args.seeds, args.launches, chosen, Path(tmp) / name)
             stats = summarize_budget(budget, replays, args.launches)
-            accuracy = confirmation_accuracy(budget, args.seeds, Path(tmp) / f"{name}-confirm") if "autotune" in chosen else None
+            accuracy = (confirmation_accuracy(pool, budget, args.seeds, Path(tmp) / f"{name}-confirm")
+                        if "autotune" in chosen else None)
             lines += budget_lines(budget, stats, args.launches, accuracy) + [""]
             results += verdicts(budget, stats, accuracy) if "autotune" in stats else []
             if name == "p50":
