@@ -131,6 +131,11 @@ def _add_run(commands: Any) -> None:
                      help="a device slot: GPU indices (CUDA_VISIBLE_DEVICES) or, on a CPU host, cores (affinity), "
                           "like 0,1 or 0-3; repeat for several slots, and trials run side by side, one per slot "
                           "(default: one slot holding every device)")
+    run.add_argument("--global-batch-size", type=_positive_int, default=None, metavar="SAMPLES",
+                     help="samples per optimizer step across all ranks, as your training recipe sets it: each trial "
+                          "keeps it with gradient accumulation (steps = SAMPLES / (micro batch x ranks)), and only "
+                          "micro batches that divide it are tried (default: none; a step is one micro batch, so the "
+                          "micro batch is tuned as a batch size too)")
     run.add_argument("--confirm", type=_at_least(0), default=DEFAULT_CONFIRM_ROUNDS, metavar="ROUNDS",
                      help="after the search, re-measure the finalists (the best and those within its noise, at most 4) "
                           "and two references in this many interleaved rounds of fresh trials, to name the winner and "

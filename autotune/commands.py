@@ -63,14 +63,17 @@ def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if small is not None:
         raise UsageError(f"--devices {','.join(map(str, small))}: a slot needs at least --nproc {nproc} GPUs")
     budget_text = args.mem_budget.replace(" ", "")
+    if args.global_batch_size is not None:
+        space = space.for_global_batch(args.global_batch_size, nproc)
     settings = RunSettings(
         model=args.model if spec.kind != "config_file" else spec.value, model_label=spec.label, nproc=nproc,
         seq_len=seq_len, budget_bytes=budget, budget_text=budget_text, space=space, trials=args.trials,
         trial_timeout_s=args.trial_timeout,
-        study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text),
+        study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size),
         storage_url=args.storage, seed=args.seed, warmup_steps=args.warmup_steps, timed_steps=args.timed_steps,
         timing_ci=args.timing_ci, quiet=args.quiet, device_type=host.device_type, slots=slots,
         use_estimate=not args.no_estimate, confirm=args.confirm, search=args.sampler,
+        global_batch_size=args.global_batch_size,
     )
     check_resumable(settings)
     return settings, host, model

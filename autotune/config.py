@@ -300,6 +300,9 @@ class TrialRequest:
     timing_ci: float = 0.02
     # Each rank on its own cores of the device slot, with as many intra-op threads.
     pin_ranks: bool = True
+    # Micro batches per optimizer step (see :func:`accumulation_steps`); a
+    # timed step is one optimizer step, gradients synced on its last micro batch.
+    grad_accum_steps: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.fsdp, Mapping):
@@ -309,7 +312,7 @@ class TrialRequest:
         _check_type("model", self.model, str)
         if not self.model:
             raise ConfigError("model must not be empty")
-        for name in ("seq_len", "timed_steps", "nnodes"):
+        for name in ("seq_len", "timed_steps", "nnodes", "grad_accum_steps"):
             _check_type(name, getattr(self, name), int)
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
@@ -332,6 +335,10 @@ class TrialRequest:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["fsdp"] = self.fsdp.to_dict()
         return data
+
+    def tokens_per_step(self, world_size: int) -> int:
+        """Tokens of one optimizer step, every rank and micro batch together."""
+        return self.fsdp.micro_batch_size * self.seq_len * world_size * self.grad_accum_steps
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrialRequest:
@@ -410,11 +417,24 @@ class TrialResult:
 SCHEMA = "autotune.fsdp-config/v1"
 
 
+def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, data_parallel: int) -> int:
+    """Micro batches per optimizer step that keep ``global_batch_size`` samples a
+    step across ``data_parallel`` ranks (1 without a global batch)."""
+    if global_batch_size is None:
+        return 1
+    per_step = micro_batch_size * data_parallel
+    if global_batch_size % per_step:
+        raise ConfigError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size} "
+                          f"x {data_parallel} ranks")
+    return global_batch_size // per_step
+
+
 def request_from_export(doc: Mapping[str, Any], **overrides: Any) -> TrialRequest:
     """The trial that reproduces an exported measurement."""
     if doc.get("schema") != SCHEMA:
         raise ConfigError(f"not an {SCHEMA} document (schema={doc.get('schema')!r})")
-    fields = {"fsdp": doc["fsdp"], "model": doc["model"], "seq_len": doc["seq_len"], **overrides}
+    fields = {"fsdp": doc["fsdp"], "model": doc["model"], "seq_len": doc["seq_len"],
+              "grad_accum_steps": doc.get("gradient_accumulation_steps", 1), **overrides}
     return TrialRequest(**fields)
 
 

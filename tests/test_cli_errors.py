@@ -42,6 +42,10 @@ CASES = [
     *[(["run", "--mem-budget", "20GB", "--space", "{dir}/" + name], [name]) for name in BAD_YAML],
     (["run", "--mem-budget", "20GB", "--study-name", "minimizing"], ["minimizing", "direction minimize"]),
     (["run", "--mem-budget", "30GB", "--space", "smoke", "--study-name", "made-with-20GB"], ["budget_bytes", "another --study-name"]),
+    # 2 ranks take an even number of samples a step, whatever the micro batch.
+    (["run", "--mem-budget", "20GB", "--space", "smoke", "--global-batch-size", "5"],
+     ["--global-batch-size 5", "multiple of 2"]),
+    (["run", "--mem-budget", "20GB", "--global-batch-size", "0"], ["--global-batch-size", "at least 1"]),
     (["trials", "--study-name", "nope"], ["nope", "no such study"]),
     (["export", "--study-name", "made-with-20GB"], ["no feasible trial"]),
     (["frobnicate"], ["invalid choice"]),

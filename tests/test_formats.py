@@ -29,10 +29,11 @@ CONFIGS = {
 }
 
 
-def export_doc(cfg: FsdpConfig, device: str = "cpu") -> dict:
+def export_doc(cfg: FsdpConfig, device: str = "cpu", global_batch_size: int | None = None) -> dict:
     """An export built the real way: a trial in an Optuna study, through build_export."""
     study = optuna.create_study(direction="maximize", study_name="formats")
-    study.set_user_attr("identity", {"model": "llama-tiny", "seq_len": 128, "budget_bytes": 10**9, "nproc": 2})
+    study.set_user_attr("identity", {"model": "llama-tiny", "seq_len": 128, "budget_bytes": 10**9, "nproc": 2,
+                                     "global_batch_size": global_batch_size})
     study.set_user_attr("budget", "1GB")
     study.add_trial(optuna.trial.create_trial(value=1234.0, user_attrs={
         "config": cfg.to_dict(), "tokens_per_s": 1234.0, "peak_memory_bytes": 5 * 2**20, "world_size": 2,
@@ -108,7 +109,7 @@ def test_training_arguments_accept_the_hf_output(case, tmp_path):
 TORCHTITAN_SCHEMA = {
     "parallelism": {"data_parallel_shard_degree": int, "data_parallel_replicate_degree": int, "fsdp_reshard_after_forward": str},
     "training": {"mixed_precision_param": str, "mixed_precision_reduce": str, "enable_cpu_offload": bool,
-                 "local_batch_size": int, "seq_len": int},
+                 "local_batch_size": int, "global_batch_size": int, "seq_len": int},
     "activation_checkpoint": {"mode": str, "selective_ac_option": str},
 }
 
@@ -124,6 +125,7 @@ def test_torchtitan_toml_parses_and_matches_the_schema(case):
     assert data["training"]["mixed_precision_param"] in ("bfloat16", "float32")
     assert data["activation_checkpoint"]["mode"] in ("none", "selective", "full")
     assert data["training"]["local_batch_size"] == cfg.micro_batch_size
+    assert data["training"]["global_batch_size"] == doc["global_batch_size"]
     if cfg.fsdp_version == 1:
         assert any("torchtitan always uses FSDP2" in n for n in notes)
     if cfg.forward_prefetch:
@@ -202,7 +204,7 @@ def test_python_module_is_the_workers_own_apply_steps():
     roots = {(node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
              for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.Import, ast.ImportFrom))
              for alias in (node.names if isinstance(node, ast.Import) else [node])}
-    assert roots <= {"torch", "functools", "typing", "__future__"}, roots
+    assert roots <= {"torch", "contextlib", "functools", "typing", "__future__"}, roots
 
 
 MEASURE_WITH_EXPORT = '''
@@ -282,3 +284,24 @@ def test_export_command_writes_each_format_and_says_what_it_dropped(tmp_path):
             assert "cannot express activation_checkpointing=every_other_layer" in done.stderr
         if fmt == "torchtitan":
             assert "cannot express forward_prefetch=true" in done.stderr
+
+
+def test_every_format_carries_the_global_batch_in_its_own_key(tmp_path):
+    """A study that held 16 samples a step: micro batch 2 on 2 ranks accumulates 4 micro batches."""
+    from transformers import TrainingArguments
+
+    from autotune.config import request_from_export
+
+    cfg = FsdpConfig(fsdp_version=2, transformer_layer_cls=LAYER, mixed_precision="bf16", micro_batch_size=2)
+    doc = export_doc(cfg, global_batch_size=16)
+    assert (doc["global_batch_size"], doc["gradient_accumulation_steps"]) == (16, 4)
+    assert request_from_export(doc).grad_accum_steps == 4  # `autotune measure` reproduces the accumulation
+    args = TrainingArguments(output_dir=str(tmp_path), **json.loads(render(doc, "hf")[0]))
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
+    training = tomllib.loads(render(doc, "torchtitan")[0])["training"]
+    assert (training["local_batch_size"], training["global_batch_size"]) == (2, 16)
+    text, notes = render(doc, "accelerate")
+    assert any("Accelerator(gradient_accumulation_steps=4)" in n for n in notes) and "Gradient accumulation steps: 4" in text
+    # Without a global batch, a step is one micro batch on every rank.
+    plain = export_doc(cfg)
+    assert (plain["global_batch_size"], plain["gradient_accumulation_steps"]) == (4, 1)

@@ -106,3 +106,16 @@ def test_fixed_values_win_and_are_recorded_when_in_the_space():
     # SHARD_GRAD_OP and bf16 are outside smoke.yaml, but an enqueued baseline keeps them.
     assert (cfg.fsdp_version, cfg.sharding_strategy, cfg.mixed_precision) == (1, "SHARD_GRAD_OP", "bf16")
     assert trial.params["fsdp_version"] == 1
+
+
+def test_a_global_batch_keeps_only_the_micro_batches_that_divide_it():
+    from autotune.errors import UsageError
+
+    space = parse_space({"micro_batch_size": [1, 2, 3, 4, 8]}, "test.yaml")
+    assert space.for_global_batch(16, 2).choices["micro_batch_size"] == (1, 2, 4, 8)
+    assert space.for_global_batch(12, 2).choices["micro_batch_size"] == (1, 2, 3)
+    with pytest.raises(UsageError) as refused:
+        parse_space({"micro_batch_size": [4, 8]}, "test.yaml").for_global_batch(12, 2)
+    # One line naming the value, what the space offered and the micro batches that would do.
+    assert str(refused.value).startswith("--global-batch-size 12: ") and "4, 8" in str(refused.value)
+    assert "1, 2, 3, 6" in str(refused.value) and "\n" not in str(refused.value)

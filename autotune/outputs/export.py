@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from autotune import __version__
-from autotune.config import SCHEMA, FsdpConfig, write_text_atomic
+from autotune.config import SCHEMA, FsdpConfig, accumulation_steps, write_text_atomic
 from autotune.study.record import Attr, StudyAttr
 from autotune.study.storage import mask_url
 
@@ -31,10 +31,17 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
     identity = study.user_attrs.get(StudyAttr.IDENTITY, {})
     host = study.user_attrs.get(StudyAttr.HOST, {})
     cfg = FsdpConfig.from_dict(attrs[Attr.CONFIG])
+    global_batch = identity.get("global_batch_size")
+    world = attrs.get(Attr.WORLD_SIZE) or identity.get("nproc")
     return {
         "schema": SCHEMA,
         "fsdp": cfg.to_dict(),
         "micro_batch_size": cfg.micro_batch_size,
+        # Samples per optimizer step over all ranks, and the micro batches each
+        # rank accumulates to make it (1, and the micro batch times the ranks,
+        # when the study kept no global batch).
+        "global_batch_size": global_batch or cfg.micro_batch_size * world,
+        "gradient_accumulation_steps": accumulation_steps(global_batch, cfg.micro_batch_size, world),
         "seq_len": identity.get("seq_len"),
         "model": identity.get("model"),
         "measured": {

@@ -79,7 +79,12 @@ def to_accelerate(doc: dict[str, Any]) -> tuple[str, list[str]]:
         "same_network": True,
         "use_cpu": doc["measured"].get("device") == "cpu",
     }
-    header = _comment_block("#", doc, notes, [f"Micro batch size per process: {cfg.micro_batch_size} (set it in your data loader)."])
+    steps = doc.get("gradient_accumulation_steps", 1)
+    if steps > 1:
+        notes.append(f"gradient_accumulation_steps={steps}: accelerate's config file has no key for it outside DeepSpeed; "
+                     f"pass Accelerator(gradient_accumulation_steps={steps}) (or set ACCELERATE_GRADIENT_ACCUMULATION_STEPS)")
+    header = _comment_block("#", doc, notes, [f"Micro batch size per process: {cfg.micro_batch_size} (set it in your data loader).",
+                                              f"Gradient accumulation steps: {steps} (global batch {doc.get('global_batch_size')})."])
     return header + yaml.safe_dump(data, sort_keys=True), notes
 
 
@@ -121,6 +126,7 @@ def to_hf(doc: dict[str, Any]) -> tuple[str, list[str]]:
         "bf16": cfg.mixed_precision.startswith("bf16"),
         "fp16": cfg.mixed_precision == "fp16",
         "per_device_train_batch_size": cfg.micro_batch_size,
+        "gradient_accumulation_steps": doc.get("gradient_accumulation_steps", 1),
         "use_cpu": doc["measured"].get("device") == "cpu",
     }
     return json.dumps(data, indent=2) + "\n", notes
@@ -161,6 +167,8 @@ def to_torchtitan(doc: dict[str, Any]) -> tuple[str, list[str]]:
         f'mixed_precision_reduce = "{reduce}"',
         f"enable_cpu_offload = {str(cfg.cpu_offload).lower()}",
         f"local_batch_size = {cfg.micro_batch_size}",
+        # torchtitan accumulates gradients to reach the global batch.
+        f"global_batch_size = {doc.get('global_batch_size', cfg.micro_batch_size * world)}",
         f"seq_len = {doc['seq_len']}",
         "",
         "[activation_checkpoint]",
@@ -183,13 +191,15 @@ def to_python(doc: dict[str, Any]) -> tuple[str, list[str]]:
         "    from fsdp_config import apply_fsdp, grad_scaler",
         "    model = apply_fsdp(model)      # then build the optimizer from model.parameters()",
         "    scaler = grad_scaler()         # fp16 only, else None",
+        f"Accumulate {doc.get('gradient_accumulation_steps', 1)} micro batch(es) of {cfg.micro_batch_size} per optimizer step "
+        "(GRADIENT_ACCUMULATION_STEPS), syncing on the last: gradient_sync(model, enabled=last).",
         "A model built on the meta device is given storage shard by shard, as the trial did;",
         "a model with real weights on the host is sharded first and only each shard moves to the device.",
     ]
     header = _comment_block("#", doc, notes, usage)
     source = files("autotune.worker").joinpath("fsdp.py").read_text()
     literal = "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(cfg.to_dict().items())) + "}"
-    tail = _PYTHON_TAIL.replace("__CONFIG__", literal)
+    tail = _PYTHON_TAIL.replace("__CONFIG__", literal).replace("__ACCUM__", str(doc.get("gradient_accumulation_steps", 1)))
     return header + source + tail, notes
 
 
@@ -227,6 +237,9 @@ _PYTHON_TAIL = '''
 # -- The configuration autotune measured, and how to apply it -----------------
 
 CONFIG = __CONFIG__
+# Micro batches per optimizer step that the global batch measured needs; sync
+# gradients on the last only: `with gradient_sync(model, enabled=last): ...backward()`.
+GRADIENT_ACCUMULATION_STEPS = __ACCUM__
 
 
 def apply_fsdp(model: nn.Module, device: torch.device | None = None, nnodes: int = 1) -> nn.Module:

@@ -12,7 +12,7 @@ from typing import Any
 
 import optuna
 
-from autotune.config import SEARCHES
+from autotune.config import DEFAULT_TIMED_STEPS, SEARCHES, accumulation_steps
 from autotune.errors import UsageError
 from autotune.study.record import METRIC_NAME, StudyAttr
 from autotune.study.space import SearchSpace
@@ -34,7 +34,7 @@ class RunSettings:
     storage_url: str
     seed: int = 0
     warmup_steps: int = 2
-    timed_steps: int = 10
+    timed_steps: int = DEFAULT_TIMED_STEPS
     timing_ci: float = 0.02
     nnodes: int = 1
     # Predict each configuration's peak before launch and skip those over budget.
@@ -52,13 +52,23 @@ class RunSettings:
     seed_frontier: bool = True
     # Rounds of the confirmation round; 0 skips it.
     confirm: int = 3
+    # Samples per optimizer step across all ranks, held by gradient
+    # accumulation; None: one micro batch per step, as the space draws it.
+    global_batch_size: int | None = None
+
+    def grad_accum_steps(self, micro_batch_size: int) -> int:
+        return accumulation_steps(self.global_batch_size, micro_batch_size, self.nproc * self.nnodes)
 
 
-def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str) -> str:
-    return f"{model_label}-w{nproc}-s{seq_len}-{budget_text}"
+def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str,
+                       global_batch_size: int | None = None) -> str:
+    return f"{model_label}-w{nproc}-s{seq_len}-{budget_text}" + (f"-gb{global_batch_size}" if global_batch_size else "")
 
 
-STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest")
+STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest", "global_batch_size")
+# Identity keys added after studies were first stored: a study stored without
+# one was made with this value.
+LATER_IDENTITY = {"global_batch_size": None}
 
 
 def study_identity(settings: RunSettings) -> dict[str, Any]:
@@ -68,6 +78,7 @@ def study_identity(settings: RunSettings) -> dict[str, Any]:
         "seq_len": settings.seq_len,
         "budget_bytes": settings.budget_bytes,
         "space_digest": settings.space.digest,
+        "global_batch_size": settings.global_batch_size,
     }
 
 
@@ -88,6 +99,8 @@ def check_resumable(settings: RunSettings) -> None:
     stored = summary.user_attrs.get(StudyAttr.IDENTITY, {})
     identity = study_identity(settings)
     for key in STUDY_IDENTITY:
+        if key not in stored and key in LATER_IDENTITY and stored:
+            stored = {**stored, key: LATER_IDENTITY[key]}
         if key in stored and stored[key] != identity[key]:
             raise UsageError(
                 f"study {settings.study_name!r} was created with {key}={stored[key]!r}, not {identity[key]!r}; "

@@ -173,6 +173,7 @@ class Objective:
         s = self.settings
         request = TrialRequest(fsdp=cfg, model=s.model, seq_len=s.seq_len, warmup_steps=s.warmup_steps,
                                timed_steps=s.timed_steps, timing_ci=s.timing_ci, seed=s.seed, nnodes=s.nnodes,
+                               grad_accum_steps=s.grad_accum_steps(cfg.micro_batch_size),
                                abort_below_tokens_per_s=best / ABORT_FACTOR if best and abort else None)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)

@@ -135,7 +135,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
         from autotune.launch.estimator import EstimatorClient
 
         estimator = EstimatorClient(settings.model, settings.nproc, settings.nnodes, settings.seq_len,
-                                    timeout_s=settings.trial_timeout_s)
+                                    timeout_s=settings.trial_timeout_s, global_batch_size=settings.global_batch_size)
     gate = MemoryGate(study, settings.space, model.layer_classes, settings.budget_bytes, host.device_type,
                       estimator if settings.use_estimate else None, reporter.say)
     candidates = [c for c in settings.space.enumerate(model.layer_classes)

@@ -75,6 +75,22 @@ class SearchSpace:
 
         return FsdpConfig(**self._walk(pick, fixed or {}), transformer_layer_cls=layer_classes)
 
+    def for_global_batch(self, global_batch_size: int, data_parallel: int) -> "SearchSpace":
+        """The space with only the micro batches that gradient accumulation can
+        turn into ``global_batch_size`` samples a step over ``data_parallel`` ranks."""
+        offered = self.choices.get("micro_batch_size", (FsdpConfig.micro_batch_size,))
+        kept = tuple(m for m in offered if global_batch_size % (m * data_parallel) == 0)
+        if not kept:
+            divisors = [d for d in range(1, global_batch_size // data_parallel + 1)
+                        if global_batch_size % (d * data_parallel) == 0]
+            raise UsageError(
+                f"--global-batch-size {global_batch_size}: no micro batch of the space ({', '.join(map(str, offered))}) "
+                f"times {data_parallel} ranks divides it; with {data_parallel} ranks the micro batches that do are "
+                + (", ".join(map(str, divisors[:12])) + ("..." if len(divisors) > 12 else "") if divisors
+                   else f"none (it must be a multiple of {data_parallel})")
+                + "; change the global batch or the space's micro_batch_size")
+        return SearchSpace(path=self.path, choices={**self.choices, "micro_batch_size": kept})
+
     def enumerate(self, layer_classes: tuple[str, ...] = ()) -> list[FsdpConfig]:
         """Every distinct configuration the space holds, in a stable order."""
         configs: list[FsdpConfig] = []

@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autotune.config import FsdpConfig
+from autotune.config import FsdpConfig, accumulation_steps
 from autotune.worker.fsdp import build_mesh, make_grad_scaler, parallelize
 from autotune.worker.measure import LiveStorageTracker
 from autotune.worker.models import build_model
-from autotune.worker.train import forward_loss, train_step
+from autotune.worker.train import accumulate, train_step
 
 METHOD = "fake_tensor_step"
 
@@ -82,7 +82,8 @@ class BreakdownTracker(LiveStorageTracker):
         return split
 
 
-def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler) -> None:
+def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler,
+                    micro_batches: int = 1) -> None:
     """``train_step`` as a fake tensor can run it.
 
     The grad scaler's ``step`` and ``update`` read whether any gradient was
@@ -92,10 +93,9 @@ def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, to
     optimizer step a finite step takes, and the scale reset to a given value.
     """
     if scaler is None:
-        train_step(model, optimizer, tokens, scaler)
+        train_step(model, optimizer, tokens, scaler, micro_batches)
         return
-    loss = forward_loss(model, tokens)
-    scaler.scale(loss).backward()
+    accumulate(model, tokens, micro_batches, scaler)
     scaler.unscale_(optimizer)
     optimizer.step()
     scaler.update(new_scale=FP16_SCALE)
@@ -106,8 +106,14 @@ def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, to
 FP16_SCALE = 2.0**16
 
 
-def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig) -> dict[str, Any]:
-    """Peak bytes per rank of one steady-state training step, and its breakdown."""
+def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig, grad_accum_steps: int = 1
+             ) -> dict[str, Any]:
+    """Peak bytes per rank of one steady-state training step, and its breakdown.
+
+    With gradient accumulation the step runs two micro batches, the first
+    unsynced: from the second on, the accumulated unsharded gradients are held
+    as they are in every later one, so two show the peak of any number."""
+    micro_batches = min(grad_accum_steps, 2)
     if world_size % nnodes:
         raise ValueError(f"world size {world_size} is not a multiple of nnodes {nnodes}")
     start = time.perf_counter()
@@ -127,10 +133,10 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
         scaler = make_grad_scaler(cfg.mixed_precision, torch.device("cpu"))
         tokens = torch.randint(0, built.vocab_size, (cfg.micro_batch_size, seq_len))
         # The first step creates the optimizer state; the second is the steady state.
-        fake_train_step(wrapped, optimizer, tokens, scaler)
+        fake_train_step(wrapped, optimizer, tokens, scaler, micro_batches)
         tracker = BreakdownTracker(wrapped, optimizer)
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t), tracker:
-            fake_train_step(wrapped, optimizer, tokens, scaler)
+            fake_train_step(wrapped, optimizer, tokens, scaler, micro_batches)
     result = {"peak_bytes": tracker.peak_bytes, "breakdown": tracker.breakdown, "method": METHOD,
               "seconds": round(time.perf_counter() - start, 3),
               "num_params": num_params}
@@ -139,7 +145,8 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
     return result
 
 
-def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig) -> dict[str, Any]:
+def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig,
+                    grad_accum_steps: int = 1) -> dict[str, Any]:
     """``estimate``, with derived figures where a fake step cannot run the configuration.
 
     - CPU offload cannot be set up on a host without an accelerator: the step
@@ -158,7 +165,7 @@ def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg:
     zero2 = cfg.fsdp_version == 1 and cfg.sharding_strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
     if zero2:
         run_cfg = run_cfg.replace(sharding_strategy="FULL_SHARD" if cfg.sharding_strategy == "SHARD_GRAD_OP" else "HYBRID_SHARD")
-    result = estimate(model, world_size, nnodes, seq_len, run_cfg)
+    result = estimate(model, world_size, nnodes, seq_len, run_cfg, grad_accum_steps)
     if zero2:
         num_params = result.pop("num_params")
         itemsize = 4 if cfg.mixed_precision == "fp32" else 2
@@ -180,8 +187,10 @@ def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg:
 def answer(request: dict[str, Any]) -> dict[str, Any]:
     try:
         cfg = FsdpConfig.from_dict(request["fsdp"])
-        return estimate_config(request["model"], int(request["world_size"]), int(request.get("nnodes", 1)),
-                               int(request["seq_len"]), cfg)
+        world_size = int(request["world_size"])
+        accum = accumulation_steps(request.get("global_batch_size"), cfg.micro_batch_size, world_size)
+        return estimate_config(request["model"], world_size, int(request.get("nnodes", 1)), int(request["seq_len"]), cfg,
+                               accum)
     except Exception as exc:  # noqa: BLE001 - one bad configuration must not end the server
         return {"error": f"{type(exc).__name__}: {exc}"}
 

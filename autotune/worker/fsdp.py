@@ -12,8 +12,9 @@ it verbatim, so what a user applies is exactly what a trial measured.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -319,6 +320,25 @@ def init_weights(module: nn.Module, owner: nn.Module, recurse: bool = True) -> N
             owner._init_weights(sub)
         elif hasattr(sub, "reset_parameters"):
             sub.reset_parameters()
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Sync gradients across ranks in this backward (``enabled``), or keep them
+    on the rank to accumulate: FSDP1's ``no_sync()``, FSDP2's
+    ``set_requires_gradient_sync(False)``. Accumulated gradients are unsharded
+    until the synced backward, so they cost memory: a trial measures it."""
+    if enabled:
+        yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
 
 
 def make_grad_scaler(mixed_precision: str, device: torch.device):

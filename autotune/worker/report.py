@@ -28,7 +28,7 @@ def build_result(
     # Step times are already the slowest rank's, step by step (see train.measure).
     dist.all_gather_object(gathered, measurement.memory)
     cfg = request.fsdp
-    tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
+    tokens_per_step = request.tokens_per_step(rank.world_size)
     import transformers
 
     result = TrialResult(

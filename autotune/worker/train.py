@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autotune.config import ABORT_CHECK_STEPS, WARMUP_ABORT_SLACK, RankMemory, TrialRequest
-from autotune.worker.fsdp import make_grad_scaler
+from autotune.worker.fsdp import gradient_sync, make_grad_scaler
 from autotune.stats import relative_median_ci95
 from autotune.worker.measure import LiveStorageTracker
 from autotune.worker.runtime import Rank, synchronize
@@ -39,17 +39,29 @@ def forward_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return output.loss if hasattr(output, "loss") else output
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler) -> torch.Tensor:
-    loss = forward_loss(model, tokens)
+def accumulate(model: nn.Module, tokens: torch.Tensor, micro_batches: int, scaler) -> torch.Tensor:
+    """Forward and backward over ``micro_batches`` micro batches, gradients synced
+    across ranks on the last one only; returns the mean loss."""
+    total = torch.zeros((), device=tokens.device)
+    for i in range(micro_batches):
+        with gradient_sync(model, enabled=i == micro_batches - 1):
+            loss = forward_loss(model, tokens) / micro_batches
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        total += loss.detach()
+    return total
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler,
+               micro_batches: int = 1) -> torch.Tensor:
+    """One optimizer step: the training step of a user's loop, and nothing else."""
+    loss = accumulate(model, tokens, micro_batches, scaler)
     if scaler is None:
-        loss.backward()
         optimizer.step()
     else:
-        scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return loss
 
 
 class Trainer:
@@ -61,13 +73,15 @@ class Trainer:
     fall), and skipped steps are neither timed nor used to measure memory.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler,
+                 micro_batches: int = 1) -> None:
         self.model, self.optimizer, self.tokens, self.scaler = model, optimizer, tokens, scaler
+        self.micro_batches = micro_batches
         self._scale = scaler.get_scale() if scaler is not None else None
         self.loss: torch.Tensor | None = None
 
     def step(self) -> bool:
-        self.loss = train_step(self.model, self.optimizer, self.tokens, self.scaler)
+        self.loss = train_step(self.model, self.optimizer, self.tokens, self.scaler, self.micro_batches)
         if self.scaler is None:
             return True
         scale = self.scaler.get_scale()  # a host read: the step has finished
@@ -107,11 +121,11 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = make_grad_scaler(cfg.mixed_precision, device)
     tokens = make_batch(vocab_size, cfg.micro_batch_size, request.seq_len, device, request.seed + rank.rank)
-    trainer = Trainer(model, optimizer, tokens, scaler)
+    trainer = Trainer(model, optimizer, tokens, scaler, request.grad_accum_steps)
     result = Measurement()
 
     phase_start = time.perf_counter()
-    tokens_per_step = cfg.micro_batch_size * request.seq_len * rank.world_size
+    tokens_per_step = request.tokens_per_step(rank.world_size)
     # The first step allocates optimizer state, so memory is measured on a
     # later one; it is untimed anyway, and so serves as a warm-up step too.
     stepped = False
