@@ -112,18 +112,9 @@ def _add_run(commands: Any) -> None:
     run.add_argument("--trial-timeout", type=_positive_float, default=DEFAULT_TRIAL_TIMEOUT_S, metavar="SECONDS",
                      help=f"kill a trial's whole torchrun job after this long and record it as a timeout (default: {DEFAULT_TRIAL_TIMEOUT_S:g})")
     run.add_argument("--study-name", default=None,
-                     help="study to create or resume (default: derived from model, ranks, seq len and budget)")
+                     help="study to create or resume (default: derived from model, ranks, seq len, budget and global batch)")
     run.add_argument("--storage", default=DEFAULT_STORAGE,
                      help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
-    run.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the synthetic data (default: 0)")
-    run.add_argument("--warmup-steps", type=_at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory"), default=MIN_WARMUP_STEPS,
-                     help=f"untimed steps before timing, at least {MIN_WARMUP_STEPS}: the first allocates optimizer "
-                          f"state, the last measures peak memory (default: {MIN_WARMUP_STEPS})")
-    run.add_argument("--timed-steps", type=_positive_int, default=DEFAULT_TIMED_STEPS,
-                     help=f"most timed steps per trial; tokens/s uses their median step time (default: {DEFAULT_TIMED_STEPS})")
-    run.add_argument("--timing-ci", type=_fraction, default=0.02, metavar="FRACTION",
-                     help="stop timing a trial, after at least 3 steps, once its median step time is known to within "
-                          "this fraction at 95%% confidence; 0 always runs every timed step (default: 0.02)")
     run.add_argument("--wrap-class", action="append", default=[], metavar="CLASS",
                      help="class name of the model's repeated block, for wrapping and checkpointing; repeat for "
                           "several (default: the model's _no_split_modules)")
@@ -136,6 +127,21 @@ def _add_run(commands: Any) -> None:
                           "keeps it with gradient accumulation (steps = SAMPLES / (micro batch x ranks)), and only "
                           "micro batches that divide it are tried (default: none; a step is one micro batch, so the "
                           "micro batch is tuned as a batch size too)")
+    _add_search_flags(run)
+    run.add_argument("--quiet", action="store_true", help="print only the final summary")
+
+
+def _add_search_flags(run: Any) -> None:
+    """How ``autotune run`` searches and measures: seeds, timing, confirmation, sampler, estimate."""
+    run.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the synthetic data (default: 0)")
+    run.add_argument("--warmup-steps", type=_at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory"), default=MIN_WARMUP_STEPS,
+                     help=f"untimed steps before timing, at least {MIN_WARMUP_STEPS}: the first allocates optimizer "
+                          f"state, the last measures peak memory (default: {MIN_WARMUP_STEPS})")
+    run.add_argument("--timed-steps", type=_positive_int, default=DEFAULT_TIMED_STEPS,
+                     help=f"most timed steps per trial; tokens/s uses their median step time (default: {DEFAULT_TIMED_STEPS})")
+    run.add_argument("--timing-ci", type=_fraction, default=0.02, metavar="FRACTION",
+                     help="stop timing a trial, after at least 3 steps, once its median step time is known to within "
+                          "this fraction at 95%% confidence; 0 always runs every timed step (default: 0.02)")
     run.add_argument("--confirm", type=_at_least(0), default=DEFAULT_CONFIRM_ROUNDS, metavar="ROUNDS",
                      help="after the search, re-measure the finalists (the best and those within its noise, at most 4) "
                           "and two references in this many interleaved rounds of fresh trials, to name the winner and "
@@ -147,7 +153,6 @@ def _add_run(commands: Any) -> None:
     run.add_argument("--no-estimate", action="store_true",
                      help="launch every configuration, without first predicting its peak memory (default: predict, "
                           "and skip configurations predicted over budget)")
-    run.add_argument("--quiet", action="store_true", help="print only the final summary")
 
 
 def _add_estimate(commands: Any) -> None:
