@@ -28,7 +28,7 @@ FSDP_VERSIONS = (1, 2)
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 AUTO_WRAP_POLICIES = ("transformer_layer", "size_based", "none")
 MIXED_PRECISIONS = ("fp32", "bf16", "bf16_fp32_reduce", "fp16")
-ACTIVATION_CHECKPOINTING = ("none", "full", "every_other_layer")
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_other_layer", "selective")
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "none")
 
 # Which strategies keep parameters sharded after forward. FSDP2 spells the same
@@ -120,6 +120,7 @@ SEARCH_FIELDS: tuple[SearchField, ...] = (
     SearchField("backward_prefetch", str, BACKWARD_PREFETCH, lambda p: p["fsdp_version"] == 1),
     SearchField("limit_all_gathers", bool, (False, True), lambda p: p["fsdp_version"] == 1),
     SearchField("cpu_offload", bool, (False, True)),
+    SearchField("compile", bool, (False, True)),
     SearchField("micro_batch_size", int, None),
 )
 SEARCH_FIELD = {f.name: f for f in SEARCH_FIELDS}
@@ -163,6 +164,8 @@ class FsdpConfig:
     backward_prefetch: str = "BACKWARD_PRE"
     limit_all_gathers: bool = True
     cpu_offload: bool = False
+    # torch.compile each repeated block before sharding, as torchtitan does.
+    compile: bool = False
     micro_batch_size: int = 1
     # Derived from sharding_strategy when left as None; given explicitly it must agree.
     reshard_after_forward: bool | None = None
@@ -255,6 +258,8 @@ class FsdpConfig:
                 parts.append("no-limit-ag")
         if self.cpu_offload:
             parts.append("offload")
+        if self.compile:
+            parts.append("compile")
         parts.append(f"mbs={self.micro_batch_size}")
         return " ".join(parts)
 

@@ -74,7 +74,9 @@ def row_config(row: dict[str, str], layer_classes: tuple[str, ...]) -> FsdpConfi
     """The configuration a table row holds, typed as the vocabulary wants it."""
     values = {}
     for dim in SEARCH_FIELDS:
-        text = row[dim.name]
+        text = row.get(dim.name)
+        if text is None:
+            continue  # a field added after the table was measured: its default ran
         values[dim.name] = (text == "True") if dim.kind is bool else dim.kind(text)
     return FsdpConfig(**values, transformer_layer_cls=layer_classes)
 

@@ -20,6 +20,21 @@ def tied(module) -> bool:
     return inner.get_input_embeddings().weight is inner.get_output_embeddings().weight
 
 
+def expert_units(model) -> list[str]:
+    """FSDP2: the class of the sharded unit that owns each expert parameter (a
+    parameter owned by the root only would be all-gathered for the whole model)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    owners = set()
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and module is not model:
+            for pname, param in module.named_parameters():
+                if "expert" in f"{name}.{pname}" and isinstance(param, DTensor):
+                    owners.add(type(module).__name__.removeprefix("FSDP"))
+    return sorted(owners)
+
+
 def main() -> None:
     model, version, strategy = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
@@ -37,7 +52,8 @@ def main() -> None:
     else:
         after = sum(p.numel() for p in wrapped.parameters())  # DTensors report their global shape
     report = {"before": before, "after": {"params": after, "tied": tied(wrapped)},
-              "meta_left": any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()])}
+              "meta_left": any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()]),
+              "expert_units": expert_units(wrapped) if version == 2 else None}
     if dist.get_rank() == 0:
         print("REPORT " + json.dumps(report), flush=True)
     dist.barrier()

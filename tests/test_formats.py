@@ -26,6 +26,8 @@ CONFIGS = {
                                         mixed_precision="bf16_fp32_reduce", activation_checkpointing="every_other_layer",
                                         forward_prefetch=True, micro_batch_size=4),
     "fsdp2-noshard-fp32": FsdpConfig(fsdp_version=2, sharding_strategy="NO_SHARD", transformer_layer_cls=LAYER),
+    "fsdp2-selective-compile": FsdpConfig(fsdp_version=2, transformer_layer_cls=LAYER, mixed_precision="bf16",
+                                          activation_checkpointing="selective", compile=True, micro_batch_size=2),
 }
 
 
@@ -111,6 +113,7 @@ TORCHTITAN_SCHEMA = {
     "training": {"mixed_precision_param": str, "mixed_precision_reduce": str, "enable_cpu_offload": bool,
                  "local_batch_size": int, "global_batch_size": int, "seq_len": int},
     "activation_checkpoint": {"mode": str, "selective_ac_option": str},
+    "compile": {"enable": bool, "components": list},
 }
 
 

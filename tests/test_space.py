@@ -21,9 +21,10 @@ def test_default_space_spans_every_dimension():
         "sharding_strategy": {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"},
         "auto_wrap_policy": {"transformer_layer", "size_based", "none"},
         "mixed_precision": {"fp32", "bf16", "bf16_fp32_reduce", "fp16"},
-        "activation_checkpointing": {"none", "full", "every_other_layer"},
+        "activation_checkpointing": {"none", "full", "every_other_layer", "selective"},
         "backward_prefetch": {"BACKWARD_PRE", "BACKWARD_POST", "none"},
         "cpu_offload": {False, True},
+        "compile": {False, True},
         "forward_prefetch": {False, True},
         "limit_all_gathers": {False, True},
     }.items():

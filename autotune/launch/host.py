@@ -45,6 +45,10 @@ class HostInfo:
     # fp32 matmul time / fp16 matmul time, measured on CPU hosts (None on CUDA,
     # and in records from before it was measured).
     fp16_speedup: float | None = None
+    # Whether torch.compile can build kernels here (a C++ compiler on CPU hosts,
+    # Triton on CUDA ones), and why not.
+    compile_supported: bool = True
+    compile_note: str | None = None
 
     @property
     def device_count(self) -> int:
@@ -114,4 +118,6 @@ def host_incompatibility(cfg: FsdpConfig, host: HostInfo, nnodes: int = 1) -> st
         return "bf16 is not supported on this device"
     if cfg.mixed_precision == "fp16" and not host.fp16_supported:
         return "fp16 is not supported on this device"
+    if cfg.compile and not host.compile_supported:
+        return f"compile needs a toolchain for torch.compile's kernels: {host.compile_note}"
     return None

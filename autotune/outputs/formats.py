@@ -25,6 +25,12 @@ def _common_notes(cfg: FsdpConfig, target: str) -> list[str]:
     if cfg.activation_checkpointing == "every_other_layer":
         notes.append(f"activation_checkpointing=every_other_layer: {target} checkpoints every layer or none; "
                      "exported as every layer (more recompute, less memory than measured)")
+    if cfg.compile:
+        notes.append(f"compile=true: {target} compiles the whole model, not each block before sharding as measured; "
+                     "apply_fsdp in the python export does what the trial did")
+    if cfg.activation_checkpointing == "selective":
+        notes.append(f"activation_checkpointing=selective: {target} has no op-level selective checkpointing; exported "
+                     "as full (more recompute, less memory than measured); use the python export's apply_fsdp for it")
     if cfg.mixed_precision == "bf16_fp32_reduce":
         notes.append(f"mixed_precision=bf16_fp32_reduce: {target} has no key for an fp32 gradient reduce; "
                      "exported as bf16 (set reduce_dtype=float32 in code to match the measurement)")
@@ -79,6 +85,8 @@ def to_accelerate(doc: dict[str, Any]) -> tuple[str, list[str]]:
         "same_network": True,
         "use_cpu": doc["measured"].get("device") == "cpu",
     }
+    if cfg.compile:
+        data["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     steps = doc.get("gradient_accumulation_steps", 1)
     if steps > 1:
         notes.append(f"gradient_accumulation_steps={steps}: accelerate's config file has no key for it outside DeepSpeed; "
@@ -127,6 +135,7 @@ def to_hf(doc: dict[str, Any]) -> tuple[str, list[str]]:
         "fp16": cfg.mixed_precision == "fp16",
         "per_device_train_batch_size": cfg.micro_batch_size,
         "gradient_accumulation_steps": doc.get("gradient_accumulation_steps", 1),
+        "torch_compile": cfg.compile,
         "use_cpu": doc["measured"].get("device") == "cpu",
     }
     return json.dumps(data, indent=2) + "\n", notes
@@ -154,7 +163,8 @@ def to_torchtitan(doc: dict[str, Any]) -> tuple[str, list[str]]:
         shard, replicate = world, 1
     param = {"fp32": "float32", "fp16": "bfloat16"}.get(cfg.mixed_precision, "bfloat16")
     reduce = "bfloat16" if cfg.mixed_precision in ("bf16", "fp16") else "float32"
-    ac_mode = {"none": "none", "full": "full", "every_other_layer": "selective"}[cfg.activation_checkpointing]
+    ac_mode = {"none": "none", "full": "full", "every_other_layer": "selective", "selective": "selective"}[
+        cfg.activation_checkpointing]
     lines = [
         _comment_block("#", doc, notes).rstrip("\n"),
         "[parallelism]",
@@ -174,8 +184,13 @@ def to_torchtitan(doc: dict[str, Any]) -> tuple[str, list[str]]:
         "[activation_checkpoint]",
         f'mode = "{ac_mode}"',
     ]
-    if ac_mode == "selective":
+    if cfg.activation_checkpointing == "every_other_layer":
         lines.append('selective_ac_option = "2"  # checkpoint every 2nd layer')
+    elif cfg.activation_checkpointing == "selective":
+        lines.append('selective_ac_option = "op"  # keep matmul and attention outputs, recompute the rest')
+    if cfg.compile:
+        # torchtitan compiles each transformer block, as the trial did.
+        lines += ["", "[compile]", "enable = true", 'components = ["model"]']
     return "\n".join(lines) + "\n", notes
 
 

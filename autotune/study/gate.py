@@ -186,7 +186,7 @@ def hungriest_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> Fsdp
         auto_wrap_policy=_first_offered(space, "auto_wrap_policy", ("none", "size_based", "transformer_layer")),
         min_num_params=max(space.choices.get("min_num_params", (FsdpConfig.min_num_params,))),
         mixed_precision=_first_offered(space, "mixed_precision", ("fp32", "bf16_fp32_reduce", "fp16", "bf16")),
-        activation_checkpointing=_first_offered(space, "activation_checkpointing", ("none", "every_other_layer", "full")),
+        activation_checkpointing=_first_offered(space, "activation_checkpointing", ("none", "selective", "every_other_layer", "full")),
         forward_prefetch=_first_offered(space, "forward_prefetch", (True, False)),
         backward_prefetch=_first_offered(space, "backward_prefetch", ("BACKWARD_PRE", "BACKWARD_POST", "none")) if version == 1 else "BACKWARD_PRE",
         micro_batch_size=max(space.choices.get("micro_batch_size", (1,))),
@@ -203,6 +203,6 @@ def frugal_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> FsdpCon
         auto_wrap_policy=_first_offered(space, "auto_wrap_policy", ("transformer_layer", "size_based", "none")),
         min_num_params=min(space.choices.get("min_num_params", (FsdpConfig.min_num_params,))),
         mixed_precision=_first_offered(space, "mixed_precision", ("bf16", "fp16", "bf16_fp32_reduce", "fp32")),
-        activation_checkpointing=_first_offered(space, "activation_checkpointing", ("full", "every_other_layer", "none")),
+        activation_checkpointing=_first_offered(space, "activation_checkpointing", ("full", "every_other_layer", "selective", "none")),
         transformer_layer_cls=layer_classes,
     )

@@ -31,7 +31,7 @@ from autotune.study.identity import RunSettings, check_resumable, load_or_create
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed
 from autotune.study.record import StudyAttr
 from autotune.study.reporter import Reporter
-from autotune.study.search import ModelSearch, held_keys, precision_effects
+from autotune.study.search import ModelSearch, compile_effect, held_keys, precision_effects
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper
 from autotune.study.storage import open_storage, study_dir
 
@@ -143,7 +143,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     search = None
     if settings.search == "autotune":
         search = ModelSearch(candidates, model.layer_classes, gate.fit_chance, precision_effects(host), seed=settings.seed,
-                             use_frontier=settings.seed_frontier, say=reporter.say)
+                             use_frontier=settings.seed_frontier, say=reporter.say, compile_effect=compile_effect(host))
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
                           gate=gate, claims=Claims(study, folder / "claims.lock", settings.trial_timeout_s + 60),
                           reporter=reporter, folder=folder, search=search,

@@ -48,6 +48,8 @@ def parallelize(
     on_meta = any(p.is_meta for p in model.parameters())
     materializer = Materializer(model, torch.device("cpu") if config["cpu_offload"] and config["fsdp_version"] == 2 else device)
     blocks = apply_activation_checkpointing(model, layers, config["activation_checkpointing"])
+    if config.get("compile"):
+        apply_compile(blocks)
     if config["fsdp_version"] == 1:
         return apply_fsdp1(
             model, blocks, device=device, mesh=mesh, param_init_fn=materializer.module,
@@ -71,8 +73,11 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], mo
     """Wrap the chosen layers in non-reentrant checkpoint wrappers.
 
     ``full`` checkpoints every layer, ``every_other_layer`` the even-numbered
-    ones (half the recompute for roughly half the saving). Returns the blocks in
-    forward order, each either the layer or its wrapper: the units FSDP wraps.
+    ones (half the recompute for roughly half the saving), ``selective`` every
+    layer but keeps the outputs of its matmuls and attention (see
+    :func:`selective_checkpoint_context`): the cheap elementwise work is
+    recomputed, the expensive ops are not. Returns the blocks in forward order,
+    each either the layer or its wrapper: the units FSDP wraps.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
@@ -83,21 +88,59 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], mo
 
     if mode == "none":
         return list(layers)
-    if mode == "full":
+    options: dict[str, Any] = {}
+    if mode in ("full", "selective"):
         chosen = {id(layer) for layer in layers}
+        if mode == "selective":
+            options["context_fn"] = selective_checkpoint_context
     elif mode == "every_other_layer":
         chosen = {id(layer) for i, layer in enumerate(layers) if i % 2 == 0}
     else:
-        raise ValueError(f"activation_checkpointing={mode!r}; expected none, full or every_other_layer")
+        raise ValueError(f"activation_checkpointing={mode!r}; expected none, full, every_other_layer or selective")
     wrap_layers(
         model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options),
         check_fn=lambda m: id(m) in chosen,
     )
     wrapper_of = {
         id(m._checkpoint_wrapped_module): m for m in model.modules() if isinstance(m, CheckpointWrapper)
     }
     return [wrapper_of.get(id(layer), layer) for layer in layers]
+
+
+def apply_compile(blocks: list[nn.Module]) -> None:
+    """``torch.compile`` each block in place, before sharding (torchtitan's order):
+    the blocks are identical, so one compiled graph serves them all, and the
+    all-gathers FSDP adds around each block stay outside the graph."""
+    for block in blocks:
+        block.compile()
+
+
+# Ops whose outputs selective checkpointing keeps: the matmuls and attention,
+# which cost most to recompute (torchtitan's op-level selective policy).
+_SAVED_OPS = (
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default", "aten.linear.default",
+    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+)
+
+
+def selective_checkpoint_context():
+    """The (forward, recompute) contexts of op-level selective checkpointing:
+    save what :data:`_SAVED_OPS` produce, recompute the rest in backward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = set()
+    for name in _SAVED_OPS:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, overload):
+            saved.add(getattr(packet, overload))
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def build_mesh(device_type: str, strategy: str, world_size: int, nnodes: int) -> DeviceMesh:

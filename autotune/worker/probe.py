@@ -78,10 +78,25 @@ def describe_host() -> dict:
             info["fp16_supported"] = False
             info["fp16_speedup"] = None
         torch.set_num_threads(threads)
+    info["compile_supported"], info["compile_note"] = compile_toolchain(cuda)
     import transformers
 
     info["transformers_version"] = transformers.__version__
     return info
+
+
+def compile_toolchain(cuda: bool) -> tuple[bool, str | None]:
+    """Whether torch.compile's inductor can build kernels here, and why not: it
+    compiles C++ for the CPU (a C++ compiler) and Triton kernels for CUDA."""
+    import importlib.util
+    import shutil
+
+    if cuda:
+        return (True, None) if importlib.util.find_spec("triton") else (False, "Triton is not installed")
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) or shutil.which("c++"):
+        return True, None
+    return False, f"no C++ compiler ({compiler}) on PATH"
 
 
 # Where models declare the longest sequence their position embeddings cover:

@@ -135,9 +135,12 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
         result.skipped_steps += not stepped
         if result.loss_first is None:
             result.loss_first = float(trainer.loss.item())
-        if i == 0 and request.abort_below_tokens_per_s is not None:
+        if i == 0:
+            # Compilation (torch.compile) and first-touch costs land here, untimed but recorded.
             synchronize(device)
-            first = tokens_per_step / _max_across_ranks(time.perf_counter() - start, device)
+            result.phases["first_step_s"] = time.perf_counter() - start
+        if i == 0 and request.abort_below_tokens_per_s is not None and not cfg.compile:
+            first = tokens_per_step / _max_across_ranks(result.phases["first_step_s"], device)
             if first < request.abort_below_tokens_per_s / WARMUP_ABORT_SLACK:
                 result.aborted_tokens_per_s = first
                 result.phases["warmup_s"] = time.perf_counter() - phase_start
