@@ -61,6 +61,8 @@ def _configs():
         "fsdp2-bf16-mbs2": FsdpConfig(fsdp_version=2, mixed_precision="bf16", micro_batch_size=2, **common),
         "fsdp2-bf16-ac-mbs8": FsdpConfig(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="full",
                                          micro_batch_size=8, **common),
+        "fsdp2-bf16-selective-mbs4": FsdpConfig(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="selective",
+                                                micro_batch_size=4, **common),
         "fsdp2-sgo-fp32-mbs1": FsdpConfig(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP", micro_batch_size=1, **common),
         "fsdp1-bf16-mbs2": FsdpConfig(fsdp_version=1, mixed_precision="bf16", micro_batch_size=2, **common),
         "fsdp2-fp16-mbs2": FsdpConfig(fsdp_version=2, mixed_precision="fp16", micro_batch_size=2, **common),
@@ -175,7 +177,8 @@ def step_study(ctx: Context) -> list[str]:
                      "activation_checkpointing: [none, full]\nmicro_batch_size: [2, 4, 8]\n")
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "autotune", "run", "--mem-budget", "40GiB", "--model", MODEL, "--nproc", "1",
-                           "--seq-len", str(SEQ_LEN), "--space", str(space), "--trials", "5", "--quiet"],
+                           "--seq-len", str(SEQ_LEN), "--space", str(space), "--trials", "4", "--confirm", "0",
+                           "--global-batch-size", "16", "--quiet"],
                           cwd=ctx.work, capture_output=True, text=True, timeout=400)
     assert done.returncode in (0, 1), done.stderr[-2000:]
     trials = subprocess.run([sys.executable, "-m", "autotune", "trials", "-f", "json"], cwd=ctx.work,
@@ -198,18 +201,18 @@ PLAN = [
          ("workload 5", "GPU path 8"), step_host, 15),
     Step("fork server", "the preload server refuses if importing loaded libcuda; here it must be ready, and trials fork from it",
          ("GPU path 9",), step_fork_server, 15),
-    Step("trials", "7 trials of llama-1b, 1 rank: predicted (fake step + default CUDA margin) against measured peak, where "
+    Step("trials", "8 trials of llama-1b, 1 rank (selective checkpointing among them): predicted (fake step + default CUDA margin) against measured peak, where "
                    "measured = max_memory_reserved (peaks reset after wrapping) + memory outside the allocator "
                    "(mem_get_info total - free - reserved); fp16 trials with skipped-step counts; FSDP2 CPU offload with fp16 "
                    "(found-inf flags on the CPU need the gloo half of cuda:nccl,cpu:gloo); FSDP1 offload initialized on the GPU; "
-                   "tied embeddings kept under FSDP1", ("workload 5", "GPU path 1", "GPU path 4", "GPU path 6", "GPU path 7", "GPU path 10"), step_trials, 200),
+                   "tied embeddings kept under FSDP1", ("workload 5", "GPU path 1", "GPU path 4", "GPU path 6", "GPU path 7", "GPU path 10"), step_trials, 220),
     Step("out of memory", "a micro batch of 256 in fp32 without checkpointing: status oom (infeasible), classified in the rank",
          ("GPU path 3",), step_oom, 30),
     Step("MFU", "model FLOPs per second of the fastest bf16 trial over a dense bf16 matmul measured in the same run",
          ("workload 5",), step_mfu, 15),
-    Step("study", "autotune run --nproc 1 on llama-1b, 5 trials, a 40 GiB budget: estimate, CUDA margin and its "
-                  "calibration, device slot, summary; then autotune measure of its best on the GPU (device type from "
-                  "the probe, the slot held)", ("workload 5", "GPU path 6", "GPU path 7"), step_study, 170),
+    Step("study", "autotune run --nproc 1 on llama-1b, 4 trials, a 40 GiB budget, a global batch of 16 (gradient "
+                  "accumulation on CUDA): estimate, CUDA margin and its calibration, device slot, summary; then autotune measure of its best on the GPU (device type from "
+                  "the probe, the slot held)", ("workload 5", "workload 1", "GPU path 6", "GPU path 7"), step_study, 150),
 ]
 
 
