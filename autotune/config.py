@@ -92,14 +92,23 @@ class SearchField:
     # Whether the field is drawn, given the fields drawn before it: a choice
     # that cannot matter (FSDP1-only knobs under FSDP2) is never drawn.
     applies: Callable[[Mapping[str, Any]], bool] = _always
+    # Words a space file may write for a value (``node`` for None: one node's ranks).
+    aliases: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def from_yaml(self, value: Any) -> Any:
+        """The value a space file's word stands for (itself unless an alias)."""
+        return self.aliases[value] if isinstance(value, str) and value in self.aliases else value
 
     def allowed_text(self) -> str:
+        words = "".join(f", or {word}" for word in self.aliases)
         if self.allowed is None:
-            return "any integer >= 1"
-        return ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in self.allowed)
+            return "any integer >= 1" + words
+        return ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in self.allowed) + words
 
     def check(self, value: Any) -> None:
         """Raise :class:`ConfigError` naming the field, the value and what is allowed."""
+        if value is None and None in self.aliases.values():
+            return
         wrong_type = not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool))
         if wrong_type:
             kind = {int: "an integer", bool: "true or false", str: "a string"}[self.kind]
@@ -119,6 +128,7 @@ SEARCH_FIELDS: tuple[SearchField, ...] = (
     SearchField("forward_prefetch", bool, (False, True)),
     SearchField("backward_prefetch", str, BACKWARD_PREFETCH, lambda p: p["fsdp_version"] == 1),
     SearchField("limit_all_gathers", bool, (False, True), lambda p: p["fsdp_version"] == 1),
+    SearchField("shard_group_size", int, None, lambda p: p["sharding_strategy"] in HYBRID_STRATEGIES, {"node": None}),
     SearchField("cpu_offload", bool, (False, True)),
     SearchField("compile", bool, (False, True)),
     SearchField("micro_batch_size", int, None),
@@ -163,6 +173,9 @@ class FsdpConfig:
     forward_prefetch: bool = False
     backward_prefetch: str = "BACKWARD_PRE"
     limit_all_gathers: bool = True
+    # Hybrid strategies: ranks per shard group (replicated across the groups);
+    # None: one node's ranks. Must divide the world size.
+    shard_group_size: int | None = None
     cpu_offload: bool = False
     # torch.compile each repeated block before sharding, as torchtitan does.
     compile: bool = False
@@ -196,6 +209,9 @@ class FsdpConfig:
                     f"sharding_strategy={self.sharding_strategy}, which implies {implied}; "
                     "choose the strategy and leave reshard_after_forward unset"
                 )
+        if self.shard_group_size is not None and not self.is_hybrid:
+            raise ConfigError(f"shard_group_size={self.shard_group_size} applies to hybrid sharding only "
+                              f"(HYBRID_SHARD, HYBRID_SHARD_ZERO2), not {self.sharding_strategy}")
         if self.fsdp_version == 2:
             # FSDP2 always prefetches the next module's all-gather before its
             # backward (an empty explicit list falls back to that default), and it
@@ -256,6 +272,8 @@ class FsdpConfig:
             parts.append(f"bwd={self.backward_prefetch}")
             if not self.limit_all_gathers:
                 parts.append("no-limit-ag")
+        if self.is_hybrid:
+            parts.append(f"shard={self.shard_group_size or 'node'}")
         if self.cpu_offload:
             parts.append("offload")
         if self.compile:
@@ -439,7 +457,7 @@ def request_from_export(doc: Mapping[str, Any], **overrides: Any) -> TrialReques
     if doc.get("schema") != SCHEMA:
         raise ConfigError(f"not an {SCHEMA} document (schema={doc.get('schema')!r})")
     fields = {"fsdp": doc["fsdp"], "model": doc["model"], "seq_len": doc["seq_len"],
-              "grad_accum_steps": doc.get("gradient_accumulation_steps", 1), **overrides}
+              "grad_accum_steps": doc.get("gradient_accumulation_steps", 1), "nnodes": doc.get("nnodes", 1), **overrides}
     return TrialRequest(**fields)
 
 

@@ -26,6 +26,8 @@ CONFIGS = {
                                         mixed_precision="bf16_fp32_reduce", activation_checkpointing="every_other_layer",
                                         forward_prefetch=True, micro_batch_size=4),
     "fsdp2-noshard-fp32": FsdpConfig(fsdp_version=2, sharding_strategy="NO_SHARD", transformer_layer_cls=LAYER),
+    "fsdp2-hybrid-groups-of-1": FsdpConfig(fsdp_version=2, sharding_strategy="HYBRID_SHARD", shard_group_size=1,
+                                           transformer_layer_cls=LAYER, mixed_precision="bf16"),
     "fsdp2-selective-compile": FsdpConfig(fsdp_version=2, transformer_layer_cls=LAYER, mixed_precision="bf16",
                                           activation_checkpointing="selective", compile=True, micro_batch_size=2),
 }
@@ -129,6 +131,11 @@ def test_torchtitan_toml_parses_and_matches_the_schema(case):
     assert data["activation_checkpoint"]["mode"] in ("none", "selective", "full")
     assert data["training"]["local_batch_size"] == cfg.micro_batch_size
     assert data["training"]["global_batch_size"] == doc["global_batch_size"]
+    if cfg.is_hybrid:
+        # The (replicate, shard) mesh the trial ran: shard groups of shard_group_size (else one node's ranks).
+        shard = cfg.shard_group_size or doc["measured"]["world_size"]
+        assert data["parallelism"]["data_parallel_shard_degree"] == shard
+        assert data["parallelism"]["data_parallel_replicate_degree"] == doc["measured"]["world_size"] // shard
     if cfg.fsdp_version == 1:
         assert any("torchtitan always uses FSDP2" in n for n in notes)
     if cfg.forward_prefetch:

@@ -107,13 +107,14 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300) 
     )
 
 
-def host_incompatibility(cfg: FsdpConfig, host: HostInfo, nnodes: int = 1) -> str | None:
-    """Why ``cfg`` cannot run on this host, or None. Such configurations are
-    recorded as pruned with this reason instead of being launched."""
+def host_incompatibility(cfg: FsdpConfig, host: HostInfo, nnodes: int = 1, world_size: int | None = None) -> str | None:
+    """Why ``cfg`` cannot run on this host (with ``world_size`` ranks over
+    ``nnodes`` nodes), or None. Such configurations are ruled out before
+    launch with this reason."""
     if cfg.cpu_offload and host.device_type != "cuda":
         return "cpu_offload needs an accelerator: on a CPU-only host PyTorch refuses it"
-    if cfg.is_hybrid and nnodes < 2:
-        return f"{cfg.sharding_strategy} replicates across nodes and this is one node"
+    if cfg.is_hybrid and world_size is not None and cfg.shard_group_size is not None and world_size % cfg.shard_group_size:
+        return f"shard_group_size={cfg.shard_group_size} does not divide the {world_size} ranks into equal shard groups"
     if cfg.mixed_precision.startswith("bf16") and not host.bf16_supported:
         return "bf16 is not supported on this device"
     if cfg.mixed_precision == "fp16" and not host.fp16_supported:

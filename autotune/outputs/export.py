@@ -43,6 +43,7 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
         "global_batch_size": global_batch or cfg.micro_batch_size * world,
         "gradient_accumulation_steps": accumulation_steps(global_batch, cfg.micro_batch_size, world),
         "seq_len": identity.get("seq_len"),
+        "nnodes": identity.get("nnodes", 1),
         "model": identity.get("model"),
         "measured": {
             "tokens_per_s": attrs.get(Attr.TOKENS_PER_S),

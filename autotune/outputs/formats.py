@@ -22,6 +22,10 @@ _MIXED = {"fp32": "no", "bf16": "bf16", "bf16_fp32_reduce": "bf16", "fp16": "fp1
 
 def _common_notes(cfg: FsdpConfig, target: str) -> list[str]:
     notes = []
+    if cfg.is_hybrid and cfg.shard_group_size is not None:
+        notes.append(f"shard_group_size={cfg.shard_group_size}: {target} shards hybrid strategies within a node; "
+                     f"build the (replicate, shard) device mesh with shard groups of {cfg.shard_group_size} ranks "
+                     "yourself, or use the python export's apply_fsdp")
     if cfg.activation_checkpointing == "every_other_layer":
         notes.append(f"activation_checkpointing=every_other_layer: {target} checkpoints every layer or none; "
                      "exported as every layer (more recompute, less memory than measured)")
@@ -157,8 +161,8 @@ def to_torchtitan(doc: dict[str, Any]) -> tuple[str, list[str]]:
     if cfg.sharding_strategy == "NO_SHARD":
         shard, replicate = 1, world
     elif cfg.is_hybrid:
-        shard, replicate = -1, 1
-        notes.append(f"sharding_strategy={cfg.sharding_strategy}: set data_parallel_replicate_degree to your node count")
+        shard = cfg.shard_group_size or world // doc.get("nnodes", 1)
+        replicate = world // shard
     else:
         shard, replicate = world, 1
     param = {"fp32": "float32", "fp16": "bfloat16"}.get(cfg.mixed_precision, "bfloat16")
@@ -199,8 +203,9 @@ def to_python(doc: dict[str, Any]) -> tuple[str, list[str]]:
     then the measured configuration and ``apply_fsdp(model)`` calling it."""
     cfg = FsdpConfig.from_dict(doc["fsdp"])
     notes = []
-    if cfg.is_hybrid:
-        notes.append(f"sharding_strategy={cfg.sharding_strategy}: pass the number of nodes as apply_fsdp(..., nnodes=N)")
+    if cfg.is_hybrid and cfg.shard_group_size is None:
+        notes.append(f"sharding_strategy={cfg.sharding_strategy} with one node's ranks per shard group: pass the number "
+                     "of nodes as apply_fsdp(..., nnodes=N)")
     usage = [
         "Use it inside an initialized process group (torchrun):",
         "    from fsdp_config import apply_fsdp, grad_scaler",

@@ -56,8 +56,12 @@ class RunSettings:
     # accumulation; None: one micro batch per step, as the space draws it.
     global_batch_size: int | None = None
 
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
     def grad_accum_steps(self, micro_batch_size: int) -> int:
-        return accumulation_steps(self.global_batch_size, micro_batch_size, self.nproc * self.nnodes)
+        return accumulation_steps(self.global_batch_size, micro_batch_size, self.world_size)
 
 
 def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str,
@@ -65,10 +69,10 @@ def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: 
     return f"{model_label}-w{nproc}-s{seq_len}-{budget_text}" + (f"-gb{global_batch_size}" if global_batch_size else "")
 
 
-STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest", "global_batch_size")
+STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest", "global_batch_size", "nnodes")
 # Identity keys added after studies were first stored: a study stored without
 # one was made with this value.
-LATER_IDENTITY = {"global_batch_size": None}
+LATER_IDENTITY = {"global_batch_size": None, "nnodes": 1}
 
 
 def study_identity(settings: RunSettings) -> dict[str, Any]:
@@ -79,6 +83,7 @@ def study_identity(settings: RunSettings) -> dict[str, Any]:
         "budget_bytes": settings.budget_bytes,
         "space_digest": settings.space.digest,
         "global_batch_size": settings.global_batch_size,
+        "nnodes": settings.nnodes,
     }
 
 

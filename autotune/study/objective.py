@@ -131,7 +131,7 @@ class Objective:
             # A fresh re-measurement of a finalist: never reused, never stopped early.
             self._count("confirmed")
             return self._launch(trial, cfg, abort=False)
-        reason = host_incompatibility(cfg, self.host, self.settings.nnodes)
+        reason = host_incompatibility(cfg, self.host, self.settings.nnodes, self.settings.world_size)
         if reason is None:
             reason = self.gate.check(trial, cfg)
             if reason is not None:

@@ -139,7 +139,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     gate = MemoryGate(study, settings.space, model.layer_classes, settings.budget_bytes, host.device_type,
                       estimator if settings.use_estimate else None, reporter.say)
     candidates = [c for c in settings.space.enumerate(model.layer_classes)
-                  if host_incompatibility(c, host, settings.nnodes) is None]
+                  if host_incompatibility(c, host, settings.nnodes, settings.world_size) is None]
     search = None
     if settings.search == "autotune":
         search = ModelSearch(candidates, model.layer_classes, gate.fit_chance, precision_effects(host), seed=settings.seed,
@@ -177,7 +177,7 @@ def _search(parts: _Parts, on_trial_complete) -> None:
 def _enqueue_frontier(parts: _Parts) -> None:
     """Queue the memory frontier for one of Optuna's samplers (autotune's search proposes it itself)."""
     candidates = [c for c in parts.settings.space.enumerate(parts.model.layer_classes)
-                  if host_incompatibility(c, parts.host, parts.settings.nnodes) is None]
+                  if host_incompatibility(c, parts.host, parts.settings.nnodes, parts.settings.world_size) is None]
     seeds = ModelSearch(candidates, parts.model.layer_classes, parts.gate.fit_chance, precision_effects(parts.host)).frontier()
     held = held_keys(parts.study, parts.model.layer_classes)
     for cfg in seeds:

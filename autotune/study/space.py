@@ -131,7 +131,7 @@ def parse_space(data: Any, path: str) -> SearchSpace:
         dim = SEARCH_FIELD.get(key)
         if dim is None:
             raise UsageError(f"{path}: unknown key {key!r}; allowed keys: {', '.join(SEARCH_FIELD)}")
-        options = value if isinstance(value, list) else [value]
+        options = [dim.from_yaml(v) for v in (value if isinstance(value, list) else [value])]
         if not options:
             raise UsageError(f"{path}: {key}: the list of choices is empty; give at least one value")
         for option in options:

@@ -48,7 +48,8 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
     phases["build_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes)
+    mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes,
+                      request.fsdp.shard_group_size)
     model = parallelize(built.module, built.layers, request.fsdp.to_dict(), rank.device, mesh)
     phases["wrap_s"] = time.perf_counter() - start
     if rank.device.type == "cuda":

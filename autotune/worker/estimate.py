@@ -124,7 +124,7 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
 
         dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     # The mesh is real metadata; only tensors are fake.
-    mesh = build_mesh("cpu", cfg.sharding_strategy, world_size, nnodes)
+    mesh = build_mesh("cpu", cfg.sharding_strategy, world_size, nnodes, cfg.shard_group_size)
     with FakeTensorMode(allow_non_fake_inputs=True):
         built = build_model(model, cfg.transformer_layer_cls, device="cpu")
         num_params = sum(p.numel() for p in built.module.parameters())
@@ -176,7 +176,7 @@ def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg:
     if zero2:
         num_params = result.pop("num_params")
         itemsize = 4 if cfg.mixed_precision == "fp32" else 2
-        shard_groups = world_size // nnodes if cfg.is_hybrid else world_size
+        shard_groups = (cfg.shard_group_size or world_size // nnodes) if cfg.is_hybrid else world_size
         kept = int(num_params * itemsize * (1 - 1 / shard_groups))
         result["peak_bytes"] += kept
         result["breakdown"]["temporaries"] += kept

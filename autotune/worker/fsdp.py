@@ -143,10 +143,13 @@ def selective_checkpoint_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def build_mesh(device_type: str, strategy: str, world_size: int, nnodes: int) -> DeviceMesh:
+def build_mesh(device_type: str, strategy: str, world_size: int, nnodes: int,
+               shard_group_size: int | None = None) -> DeviceMesh:
     """The data-parallel mesh: 1-D for plain sharding, 2-D (replicate, shard) otherwise.
 
-    Hybrid strategies shard within a node and replicate across nodes. NO_SHARD
+    Hybrid strategies shard within groups of ``shard_group_size`` consecutive
+    ranks (default: one node's) and replicate across the groups: with 8 ranks
+    on one node and groups of 4, two replicas of a 4-way sharded model. NO_SHARD
     is the degenerate 2-D mesh whose shard groups have one rank, which is how
     FSDP2 expresses DDP-style replication.
     """
@@ -155,12 +158,12 @@ def build_mesh(device_type: str, strategy: str, world_size: int, nnodes: int) ->
     if strategy == "NO_SHARD":
         shape = (world_size, 1)
     elif strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
-        if nnodes < 2 or world_size % nnodes:
-            raise ValueError(
-                f"sharding_strategy={strategy} needs several nodes and a world size they divide "
-                f"(nnodes={nnodes}, world_size={world_size})"
-            )
-        shape = (nnodes, world_size // nnodes)
+        if world_size % nnodes:
+            raise ValueError(f"world_size={world_size} is not a multiple of nnodes={nnodes}")
+        shard = shard_group_size or world_size // nnodes
+        if world_size % shard:
+            raise ValueError(f"shard_group_size={shard} does not divide world_size={world_size}")
+        shape = (world_size // shard, shard)
     else:
         raise ValueError(f"sharding_strategy={strategy!r} is not a known strategy")
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
@@ -209,7 +212,8 @@ def apply_fsdp1(
     return FullyShardedDataParallel(
         model,
         auto_wrap_policy=policy,
-        sharding_strategy=ShardingStrategy[sharding_strategy],
+        # FSDP1 spells the hybrid ZeRO-2 strategy with a leading underscore.
+        sharding_strategy=ShardingStrategy[{"HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}.get(sharding_strategy, sharding_strategy)],
         mixed_precision=mixed,
         # With offload, units are still initialized on the device (fast,
         # parallel) and FSDP moves the shards to the host after sharding.
@@ -412,5 +416,6 @@ def apply_tuned(
 
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mesh = build_mesh(device.type, config["sharding_strategy"], dist.get_world_size(), nnodes)
+    mesh = build_mesh(device.type, config["sharding_strategy"], dist.get_world_size(), nnodes,
+                      config.get("shard_group_size"))
     return parallelize(model, find_layers(model, config["transformer_layer_cls"]), config, device, mesh)
