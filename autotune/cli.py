@@ -12,7 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from autotune import __version__, interrupts
-from autotune.config import DEFAULT_TIMED_STEPS, MIN_WARMUP_STEPS, SEARCHES
+from autotune.config import DEFAULT_TIMED_STEPS, LAUNCHERS, MIN_WARMUP_STEPS, SEARCHES
 from autotune.errors import UsageError
 from autotune.outputs.formats import FORMATS
 from autotune.study.storage import DEFAULT_STORAGE
@@ -101,7 +101,14 @@ def _add_run(commands: Any) -> None:
                      help="a preset (llama-tiny, llama-1b, llama-7b, llama-8b, llama-70b), a transformers config.json path, "
                           "or module:function returning a torch module (default: llama-tiny, the CPU default)")
     run.add_argument("--nproc", type=_positive_int, default=None,
-                     help="ranks per trial (default: the number of visible GPUs, or 2 on a host with none)")
+                     help="ranks per node (default: the number of visible GPUs, or 2 on a host with none)")
+    run.add_argument("--nnodes", type=_positive_int, default=1,
+                     help="nodes each trial spans, --nproc ranks on each, joined by torchrun's c10d rendezvous (default: 1)")
+    run.add_argument("--launcher", choices=("auto", *LAUNCHERS), default="auto",
+                     help="what starts a multi-node trial's agents: local (the nodes simulated on this host, to check a "
+                          "configuration before paying for nodes) or slurm (one srun job step in the current allocation, "
+                          "one agent per node); auto is slurm inside an allocation with --nnodes above 1, else local "
+                          "(default: auto)")
     run.add_argument("--seq-len", type=_positive_int, default=None,
                      help="tokens per sample, at most the model's position limit (default: 256 for llama-tiny, else 2048, "
                           "cut to the model's position limit)")

@@ -33,10 +33,22 @@ def parse_slot(text: str, device_count: int) -> tuple[int, ...]:
     return tuple(sorted(devices))
 
 
-def _check_nproc(nproc: int, host: Any) -> None:
+def _check_nproc(nproc: int, host: Any, what_asked: str | None = None) -> None:
     if nproc > host.device_count:
         what = f"{host.cuda_device_count} GPUs" if host.device_type == "cuda" else f"{host.cpu_count} CPU cores and no GPU"
+        if what_asked:
+            raise UsageError(f"{what_asked}: {nproc} ranks on this host, which has {what}; simulate fewer ranks, "
+                             "or run on real nodes with --launcher slurm")
         raise UsageError(f"--nproc {nproc}: this host has {what}; use --nproc {host.device_count} or fewer")
+
+
+def choose_launcher(asked: str, nnodes: int) -> str:
+    """``auto``: Slurm inside an allocation when trials span nodes, else simulated nodes on this host."""
+    from autotune.launch.multinode import slurm_allocation
+
+    if asked != "auto":
+        return asked
+    return "slurm" if nnodes > 1 and slurm_allocation() is not None else "local"
 
 
 def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -54,7 +66,10 @@ def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
     host, model = probe(args.model, tuple(args.wrap_class))
     nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
-    _check_nproc(nproc, host)
+    launcher = choose_launcher(args.launcher, args.nnodes)
+    if launcher == "local":
+        # Simulated nodes share this host's devices.
+        _check_nproc(nproc * args.nnodes, host, f"--nproc {nproc} x --nnodes {args.nnodes}" if args.nnodes > 1 else None)
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note and not args.quiet:
         print(f"autotune run: {seq_note}", file=sys.stderr)
@@ -64,18 +79,24 @@ def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise UsageError(f"--devices {','.join(map(str, small))}: a slot needs at least --nproc {nproc} GPUs")
     budget_text = args.mem_budget.replace(" ", "")
     if args.global_batch_size is not None:
-        space = space.for_global_batch(args.global_batch_size, nproc)
+        space = space.for_global_batch(args.global_batch_size, nproc * args.nnodes)
     settings = RunSettings(
         model=args.model if spec.kind != "config_file" else spec.value, model_label=spec.label, nproc=nproc,
         seq_len=seq_len, budget_bytes=budget, budget_text=budget_text, space=space, trials=args.trials,
         trial_timeout_s=args.trial_timeout,
-        study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size),
+        study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size,
+                                                         args.nnodes),
         storage_url=args.storage, seed=args.seed, warmup_steps=args.warmup_steps, timed_steps=args.timed_steps,
         timing_ci=args.timing_ci, quiet=args.quiet, device_type=host.device_type, slots=slots,
         use_estimate=not args.no_estimate, confirm=args.confirm, search=args.sampler,
-        global_batch_size=args.global_batch_size,
+        global_batch_size=args.global_batch_size, nnodes=args.nnodes, launcher=launcher,
     )
     check_resumable(settings)
+    if launcher == "slurm":
+        from autotune.launch.multinode import check_launcher
+        from autotune.study.storage import study_dir
+
+        check_launcher(launcher, args.nnodes, study_dir(settings.storage_url, settings.study_name))
     return settings, host, model
 
 

@@ -42,9 +42,11 @@ RESHARD_AFTER_FORWARD = {
 }
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
-TRIAL_STATUSES = ("ok", "oom", "crash", "timeout", "aborted")
+TRIAL_STATUSES = ("ok", "oom", "crash", "timeout", "aborted", "node_lost")
 # "auto" picks CUDA + NCCL when GPUs are visible, else CPU + gloo.
 DEVICES = ("auto", "cpu", "cuda")
+# What starts a trial's torchrun agents when it spans several nodes (autotune.launch.multinode).
+LAUNCHERS = ("local", "slurm")
 # What picks a study's next configuration (autotune.study.search, or an Optuna sampler).
 SEARCHES = ("autotune", "tpe", "gp", "random")
 
@@ -409,6 +411,10 @@ class TrialResult:
     loss_first: float | None = None
     loss_last: float | None = None
     world_size: int | None = None
+    # Across nodes: how many, ranks on each, and the device mesh the ranks formed.
+    nnodes: int | None = None
+    nproc_per_node: int | None = None
+    mesh_shape: list[int] | None = None
     device: str | None = None
     device_name: str | None = None
     torch_version: str | None = None

@@ -36,7 +36,10 @@ class RunSettings:
     warmup_steps: int = 2
     timed_steps: int = DEFAULT_TIMED_STEPS
     timing_ci: float = 0.02
+    # Nodes a trial spans, nproc ranks on each, and what starts their agents:
+    # "local" (simulated nodes on this host) or "slurm" (a job step).
     nnodes: int = 1
+    launcher: str = "local"
     # Predict each configuration's peak before launch and skip those over budget.
     use_estimate: bool = True
     quiet: bool = False
@@ -65,8 +68,9 @@ class RunSettings:
 
 
 def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str,
-                       global_batch_size: int | None = None) -> str:
-    return f"{model_label}-w{nproc}-s{seq_len}-{budget_text}" + (f"-gb{global_batch_size}" if global_batch_size else "")
+                       global_batch_size: int | None = None, nnodes: int = 1) -> str:
+    return (f"{model_label}-w{nproc}" + (f"x{nnodes}" if nnodes > 1 else "") + f"-s{seq_len}-{budget_text}"
+            + (f"-gb{global_batch_size}" if global_batch_size else ""))
 
 
 STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest", "global_batch_size", "nnodes")

@@ -99,6 +99,10 @@ def draw(trial: optuna.Trial, study: optuna.Study, space: SearchSpace, layer_cla
     return cfg
 
 
+# The cause a failed trial is recorded with, where it differs from the status.
+FAILURE_CAUSES = {"node_lost": "node lost"}
+
+
 class Objective:
     """Called by ``study.optimize`` once per trial, in one thread per device slot."""
 
@@ -223,7 +227,7 @@ class Objective:
             self._line(trial, cfg, f"out of memory on rank {result.failed_rank}: infeasible")
             return 0.0
         self._count("failed")
-        write_failure(trial, result, result.status)
+        write_failure(trial, result, FAILURE_CAUSES.get(result.status, result.status))
         self._line(trial, cfg, f"FAILED ({result.status}): {first_line(result.error)} [log: {trial.user_attrs[Attr.LOG_PATH]}]")
         raise TrialFailed(f"{result.status}: {result.error}")
 

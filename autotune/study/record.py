@@ -56,6 +56,9 @@ class Attr:
     TOKENS_PER_S_CI_LOW = "tokens_per_s_ci_low"  # 95% confidence interval of tokens/s within the trial
     TOKENS_PER_S_CI_HIGH = "tokens_per_s_ci_high"
     TIMED_STEPS = "timed_steps"
+    NNODES = "nnodes"  # nodes the trial ran on, ranks on each, and the device mesh they formed
+    NPROC_PER_NODE = "nproc_per_node"
+    MESH_SHAPE = "mesh_shape"
     SKIPPED_STEPS = "skipped_steps"
     LOSS_FIRST = "loss_first"
     LOSS_LAST = "loss_last"
@@ -107,7 +110,7 @@ class StudyAttr:
 NOT_REUSED = (Attr.CONFIG, Attr.LABEL, Attr.BASELINE, Attr.RUNNER, Attr.CLAIMED, Attr.STARTED_AT, Attr.ENDED_AT,
               Attr.DEVICES, Attr.WALL_S, Attr.RETRY_OF, Attr.CONFIRMATION_ROUND, Attr.CONFIRMATION_ROLE)
 # Copied from a TrialResult onto a measured trial.
-MEASURED = (Attr.TOKENS_PER_S, Attr.STEP_TIME_MEDIAN_S, Attr.STEP_TIME_P10_S, Attr.STEP_TIME_P90_S, Attr.STEP_TIME_CV,
+MEASURED = (Attr.NNODES, Attr.NPROC_PER_NODE, Attr.MESH_SHAPE, Attr.TOKENS_PER_S, Attr.STEP_TIME_MEDIAN_S, Attr.STEP_TIME_P10_S, Attr.STEP_TIME_P90_S, Attr.STEP_TIME_CV,
             Attr.TOKENS_PER_S_CI_LOW, Attr.TOKENS_PER_S_CI_HIGH,
             Attr.TIMED_STEPS, Attr.SKIPPED_STEPS, Attr.LOSS_FIRST, Attr.LOSS_LAST, Attr.MEMORY_METHOD, Attr.WORLD_SIZE,
             Attr.DEVICE, Attr.DEVICE_NAME, Attr.TORCH_VERSION, Attr.TRANSFORMERS_VERSION, Attr.NUM_PARAMS,

@@ -22,6 +22,7 @@ from autotune import interrupts
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launch.launcher import launch_trial
+from autotune.launch.multinode import launch_local, launch_slurm
 from autotune.launch.locks import exclusive
 from autotune.study import confirm
 from autotune.study.baseline import as_params, enqueue_baseline
@@ -71,6 +72,11 @@ def torchrun_launch(settings: RunSettings, host: HostInfo, forks: ForkServer | N
     """Trials as real torchrun jobs, forked from ``forks`` when it is ready."""
 
     def launch(request, trial_dir, slot):
+        if settings.launcher == "slurm":
+            return launch_slurm(request, trial_dir, settings.nproc, settings.trial_timeout_s, host.device_type)
+        if settings.nnodes > 1:
+            return launch_local(request, trial_dir, settings.nproc, settings.trial_timeout_s, host.device_type,
+                                devices=slot, forks=forks)
         return launch_trial(request, trial_dir, settings.nproc, settings.trial_timeout_s, host.device_type,
                             devices=slot, forks=forks)
 
@@ -134,7 +140,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     if settings.use_estimate and estimator is None:
         from autotune.launch.estimator import EstimatorClient
 
-        estimator = EstimatorClient(settings.model, settings.nproc, settings.nnodes, settings.seq_len,
+        estimator = EstimatorClient(settings.model, settings.world_size, settings.nnodes, settings.seq_len,
                                     timeout_s=settings.trial_timeout_s, global_batch_size=settings.global_batch_size)
     gate = MemoryGate(study, settings.space, model.layer_classes, settings.budget_bytes, host.device_type,
                       estimator if settings.use_estimate else None, reporter.say)

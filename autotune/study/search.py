@@ -71,7 +71,7 @@ def config_params(cfg: FsdpConfig) -> dict[str, Any]:
 
 
 # Failures that may not repeat: the configuration is worth another launch.
-RETRIED_CAUSES = ("timeout",)
+RETRIED_CAUSES = ("timeout", "node lost")
 
 
 def held_keys(study: optuna.Study, layer_classes: tuple[str, ...]) -> set[str]:

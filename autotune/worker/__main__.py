@@ -61,7 +61,7 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
     phases.update(measurement.phases)
 
     start = time.perf_counter()
-    result = build_result(request, rank, measurement, num_params, phases)
+    result = build_result(request, rank, measurement, num_params, phases, tuple(mesh.shape))
     if rank.is_main:
         result.phases["report_s"] = time.perf_counter() - start
         write_json_atomic(trial_dir / "result.json", result.to_dict())

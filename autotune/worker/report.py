@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import platform
 
 import torch
@@ -21,7 +22,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def build_result(
-    request: TrialRequest, rank: Rank, measurement: Measurement, num_params: int, phases: dict[str, float]
+    request: TrialRequest, rank: Rank, measurement: Measurement, num_params: int, phases: dict[str, float],
+    mesh_shape: tuple[int, ...] = (),
 ) -> TrialResult:
     """Collective: every rank must call it. Only rank 0's return value is complete."""
     gathered: list = [None] * rank.world_size
@@ -37,6 +39,9 @@ def build_result(
         loss_first=measurement.loss_first,
         loss_last=measurement.loss_last,
         world_size=rank.world_size,
+        nnodes=request.nnodes,
+        nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", rank.world_size)),
+        mesh_shape=list(mesh_shape),
         device=rank.device.type,
         device_name=_device_name(rank.device),
         torch_version=torch.__version__,

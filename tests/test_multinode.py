@@ -1,0 +1,116 @@
+"""Trials over several nodes: simulated nodes on this host (torchrun agents joined by a c10d rendezvous), hybrid
+sharding on one node and across two, a node lost mid-trial, and `autotune run --nnodes 2` end to end."""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from autotune.config import FsdpConfig, TrialRequest
+from autotune.launch.launcher import launch_trial, process_tree
+from autotune.launch.multinode import launch_local, node_devices, srun_command
+from tests.conftest import REPO, run_cli
+
+LAYER = ("LlamaDecoderLayer",)
+
+
+def test_simulated_nodes_split_the_slot_and_srun_places_one_agent_per_node():
+    assert [node_devices((0, 1, 2, 3), 2, n) for n in (0, 1)] == [(0, 1), (2, 3)]
+    assert [node_devices((0,), 2, n) for n in (0, 1)] == [(0,), (0,)]
+    on_nodes = srun_command(2, 8, 2, "node1:29500", "autotune-x", Path("c.json"), Path("t"))
+    assert on_nodes[:8] == ["srun", "--ntasks", "2", "--nodes", "2", "--ntasks-per-node", "1", "--kill-on-bad-exit=1"]
+    assert "--rdzv-endpoint=node1:29500" in on_nodes and "--nproc-per-node=8" in on_nodes and "--nnodes=2" in on_nodes
+    # An allocation with fewer nodes than the trial spans: the agents share them.
+    assert "--overcommit" in srun_command(2, 1, 1, "n:1", "x", Path("c.json"), Path("t"))
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.torchrun
+def test_hybrid_sharding_on_one_node_with_shard_groups_of_two(tmp_path, forks):
+    # 4 ranks on one node, sharded within pairs and replicated across the two pairs.
+    cfg = FsdpConfig(fsdp_version=1, sharding_strategy="HYBRID_SHARD", shard_group_size=2, transformer_layer_cls=LAYER)
+    outcome = launch_trial(TrialRequest(fsdp=cfg, seq_len=32, timed_steps=3), tmp_path, 4, 240, forks=forks)
+    result = outcome.result
+    assert result.status == "ok", result.error
+    assert (result.world_size, result.nnodes, result.nproc_per_node, result.mesh_shape) == (4, 1, 4, [2, 2])
+
+
+@pytest.mark.torchrun
+def test_two_simulated_nodes_measure_a_hybrid_trial_end_to_end(tmp_path, forks):
+    cfg = FsdpConfig(fsdp_version=2, sharding_strategy="HYBRID_SHARD", transformer_layer_cls=LAYER, micro_batch_size=2)
+    outcome = launch_local(TrialRequest(fsdp=cfg, seq_len=64, timed_steps=3, nnodes=2), tmp_path, 1, 240, "cpu",
+                           (0, 1), forks)
+    result = outcome.result
+    assert result.status == "ok", result.error
+    # One node's rank per shard group, replicated across the 2 nodes: the 2 x 1 mesh.
+    assert (result.world_size, result.nnodes, result.nproc_per_node, result.mesh_shape) == (2, 2, 1, [2, 1])
+    assert result.tokens_per_step == 2 * 64 * 2 and result.peak_memory_bytes > 0
+
+
+@pytest.mark.torchrun
+def test_a_node_lost_mid_trial_ends_it_at_once_and_leaves_nothing(tmp_path):
+    cfg = FsdpConfig(fsdp_version=2, transformer_layer_cls=("Linear",))
+    request = TrialRequest(fsdp=cfg, model="tests.models:hang", seq_len=16, timed_steps=3, nnodes=2)
+    box = {}
+    env_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env_path]))
+    try:
+        worker = threading.Thread(target=lambda: box.update(out=launch_local(request, tmp_path, 1, 120, "cpu", (0, 1), None)))
+        start = time.monotonic()
+        worker.start()
+        agent = None
+        while agent is None and time.monotonic() - start < 60:
+            agent = next((pid for pid in _processes_mentioning("--node-rank=1") if str(tmp_path) in
+                          Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")), None)
+            time.sleep(0.2)
+        assert agent is not None, "node 1's agent never started"
+        time.sleep(8)  # its rank is training (hung in the test model's forward)
+        for pid in process_tree(agent):  # the whole node goes away
+            os.kill(pid, signal.SIGKILL)
+        worker.join(60)
+    finally:
+        os.environ.pop("PYTHONPATH") if env_path is None else os.environ.update(PYTHONPATH=env_path)
+    result = box["out"].result
+    assert result.status == "node_lost" and "node 1" in result.error
+    assert time.monotonic() - start < 60, "the trial waited for its timeout"
+    deadline = time.monotonic() + 15
+    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(tmp_path)) == [], "an agent or rank outlived the lost node"
+
+
+@pytest.mark.torchrun
+def test_autotune_run_with_two_nodes_tunes_hybrid_and_records_the_mesh(tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
+                     "micro_batch_size: 2\n")
+    done = run_cli("run", "--mem-budget", "20GB", "--nnodes", "2", "--nproc", "1", "--space", str(space), "--seq-len", "64",
+                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
+    (name,) = optuna.get_all_study_names(storage)
+    assert "-w1x2-" in name
+    study = optuna.load_study(study_name=name, storage=storage)
+    measured = [t for t in study.trials if t.user_attrs.get("status") == "ok"]
+    hybrid = [t for t in measured if t.user_attrs["config"]["sharding_strategy"] == "HYBRID_SHARD"]
+    assert hybrid and hybrid[0].user_attrs["mesh_shape"] == [2, 1] and hybrid[0].user_attrs["nnodes"] == 2
+    assert all(t.user_attrs["world_size"] == 2 and t.user_attrs["nproc_per_node"] == 1 for t in measured)
+    doc = json.loads((tmp_path / "studies" / name / "best_config.json").read_text())
+    assert doc["nnodes"] == 2
