@@ -88,3 +88,16 @@ def postgres():
         pytest.fail(f"PostgreSQL could not start here: {exc}")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A real Slurm of this session (see tests/slurm.py): slurmctld and one slurmd here; never skipped."""
+    from tests.slurm import start_cluster
+
+    try:
+        cluster = start_cluster()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        pytest.fail(f"Slurm could not start here: {exc}")
+    yield cluster
+    cluster.stop()

@@ -82,6 +82,8 @@ def launch_local(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
                 mine = node_devices(devices, nnodes, node)
                 command = [sys.executable, "-m", "torch.distributed.run", *agent_args(nnodes, nproc, endpoint, rdzv_id),
                            f"--node-rank={node}", *worker_args(config_path, trial_dir)]
+                log.write(f"autotune: simulated node {node} of {nnodes}, devices {mine}: {' '.join(command[1:])}\n".encode())
+                log.flush()
                 agents.append(start_torchrun(command, log, trial_env(nproc, device_type, mine), device_type, mine, forks))
             timed_out, lost = _watch(agents, timeout_s)
         finally:
@@ -179,6 +181,8 @@ def launch_slurm(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
                            config_path, trial_dir)
     start, started_at = time.perf_counter(), time.time()
     with open(log_path, "ab") as log:
+        log.write(f"autotune: job {job}, step {rdzv_id}: {' '.join(command)}\n".encode())
+        log.flush()
         step = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=trial_env(nproc, device_type, None), start_new_session=True)
         try:

@@ -1,0 +1,96 @@
+"""Trials as Slurm job steps, on a real Slurm (slurmctld and one slurmd on this host, started by the fixture)."""
+
+import json
+import os
+import sys
+import time
+
+import optuna
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.torchrun
+
+# Inside the allocation: one trial through the Slurm launcher, its result on stdout.
+TRIAL = """
+import json, sys
+from pathlib import Path
+from autotune.config import FsdpConfig, TrialRequest
+from autotune.launch.multinode import launch_slurm
+model, timeout, folder = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
+layer = ("LlamaDecoderLayer",) if model == "llama-tiny" else ("Linear",)
+cfg = FsdpConfig(fsdp_version=2, sharding_strategy="HYBRID_SHARD", transformer_layer_cls=layer, micro_batch_size=2)
+out = launch_slurm(TrialRequest(fsdp=cfg, model=model, seq_len=64, timed_steps=3, nnodes=2), folder, 1, timeout, "cpu")
+print("RESULT " + json.dumps({**out.result.to_dict(), "wall_s": out.wall_s}))
+"""
+
+
+def _in_allocation(slurm, tmp_path, *command: str, timeout: float = 300):
+    env = {**slurm.env, "PYTHONPATH": str(REPO)}
+    done = __import__("subprocess").run(["salloc", "--nodes", "1", "--ntasks", "2", "--overcommit", "--job-name",
+                                         "autotune-test", *command], capture_output=True, text=True, env=env,
+                                        cwd=tmp_path, timeout=timeout)
+    return done
+
+
+def _result(done) -> dict:
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(entry))
+    return found
+
+
+def test_a_two_node_trial_runs_as_one_job_step_of_two_agents(slurm, tmp_path):
+    done = _in_allocation(slurm, tmp_path, sys.executable, "-c", TRIAL, "llama-tiny", "240", str(tmp_path / "trial"))
+    result = _result(done)
+    assert result["status"] == "ok", result["error"]
+    assert (result["world_size"], result["nnodes"], result["nproc_per_node"], result["mesh_shape"]) == (2, 2, 1, [2, 1])
+    # Both agents were the tasks of one job step.
+    first = (tmp_path / "trial" / "log.txt").read_text().splitlines()[0]
+    assert first.startswith("autotune: job ") and "srun --ntasks 2 --nodes 1 --overcommit --kill-on-bad-exit=1" in first
+    assert result["tokens_per_s"] > 0
+
+
+def test_a_timed_out_step_leaves_no_step_and_no_process(slurm, tmp_path):
+    start = time.monotonic()
+    done = _in_allocation(slurm, tmp_path, sys.executable, "-c", TRIAL, "tests.models:hang", "20", str(tmp_path / "trial"))
+    result = _result(done)
+    assert result["status"] == "timeout" and result["wall_s"] < 60
+    assert time.monotonic() - start < 120
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(tmp_path)) == [], "a rank or agent outlived the cancelled step"
+    steps = slurm.run("squeue", "--steps", "--noheader", "--name", "autotune-test").stdout.strip()
+    assert steps == "", f"steps left behind: {steps}"
+
+
+def test_autotune_run_inside_an_allocation_uses_slurm_for_two_nodes(slurm, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
+                     "micro_batch_size: 2\n")
+    done = _in_allocation(slurm, tmp_path, sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--nnodes", "2",
+                          "--nproc", "1", "--space", str(space), "--seq-len", "64", "--timed-steps", "3", "--trials", "2",
+                          "--confirm", "0", timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
+    (name,) = optuna.get_all_study_names(storage)
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    measured = [t for t in trials if t.user_attrs.get("status") == "ok"]
+    assert measured and all(t.user_attrs["nnodes"] == 2 for t in measured)
+    # auto chose Slurm: every trial was a job step of the allocation.
+    logs = [(tmp_path / t.user_attrs["log_path"]).read_text() for t in measured]
+    assert all(log.startswith("autotune: job ") and " srun --ntasks 2 " in log.splitlines()[0] for log in logs)
