@@ -94,3 +94,24 @@ def test_autotune_run_inside_an_allocation_uses_slurm_for_two_nodes(slurm, tmp_p
     # auto chose Slurm: every trial was a job step of the allocation.
     logs = [(tmp_path / t.user_attrs["log_path"]).read_text() for t in measured]
     assert all(log.startswith("autotune: job ") and " srun --ntasks 2 " in log.splitlines()[0] for log in logs)
+
+
+def test_a_killed_tuner_takes_its_job_step_with_it(slurm, tmp_path):
+    import signal
+    import subprocess
+
+    env = {**slurm.env, "PYTHONPATH": str(REPO)}
+    tuner = subprocess.Popen(["salloc", "--nodes", "1", "--ntasks", "2", "--overcommit", "--job-name", "autotune-kill",
+                              sys.executable, "-c", TRIAL, "tests.models:hang", "300", str(tmp_path / "trial")],
+                             env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not _processes_mentioning(str(tmp_path / "trial" / "config.json")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(5)
+    driver = next(pid for pid in _processes_mentioning("launch_slurm") if pid != tuner.pid)
+    os.kill(driver, signal.SIGKILL)  # the tuner dies without any clean-up of its own
+    deadline = time.monotonic() + 45
+    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(tmp_path)) == [], "the job step outlived the killed tuner"
+    tuner.wait(60)

@@ -15,8 +15,8 @@ import signal
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent thread exits.
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` (SIGKILL) to this process when its parent thread exits.
 
     Safe between fork and exec (``preexec_fn``). A no-op where prctl is missing.
     """
@@ -24,7 +24,7 @@ def die_with_parent() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:
         return
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(_PR_SET_PDEATHSIG, sig)
     # The parent may have died before prctl ran; then we were re-parented to init.
     if os.getppid() == 1:
         os._exit(1)

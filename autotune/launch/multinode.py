@@ -31,6 +31,7 @@ from autotune import interrupts
 from autotune.config import TrialRequest, TrialResult, write_json_atomic
 from autotune.errors import UsageError
 from autotune.launch.forkserver import ForkServer
+from autotune.launch.lifeline import die_with_parent
 from autotune.launch.launcher import POLL_S, LaunchOutcome, classify, kill_process_tree, start_torchrun, trial_env
 
 # How long the other agents get to write their ranks' error records after one
@@ -183,8 +184,11 @@ def launch_slurm(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
     with open(log_path, "ab") as log:
         log.write(f"autotune: job {job}, step {rdzv_id}: {' '.join(command)}\n".encode())
         log.flush()
+        # srun dies with the tuner by SIGTERM, not SIGKILL: it passes SIGTERM on
+        # to the step's tasks, whereas a killed srun would leave the step running.
         step = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=trial_env(nproc, device_type, None), start_new_session=True)
+                                env=trial_env(nproc, device_type, None), start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         try:
             timed_out = not _wait(step, timeout_s)
         finally:
