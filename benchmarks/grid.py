@@ -75,8 +75,10 @@ def row_config(row: dict[str, str], layer_classes: tuple[str, ...]) -> FsdpConfi
     values = {}
     for dim in SEARCH_FIELDS:
         text = row.get(dim.name)
-        if text is None:
-            continue  # a field added after the table was measured: its default ran
+        if not text:
+            # A field added after the table was measured, or one left at None
+            # (shard_group_size "node"), which CSV writes as "": its default ran.
+            continue
         values[dim.name] = (text == "True") if dim.kind is bool else dim.kind(text)
     return FsdpConfig(**values, transformer_layer_cls=layer_classes)
 

@@ -102,7 +102,13 @@ def main(argv: list[str]) -> int:
         # A rank that dies leaves its peers blocked in a collective; exiting at
         # once lets torchrun notice and stop the whole job.
         os._exit(3 if is_out_of_memory(exc) else 1)
-    return 0
+    # No interpreter teardown either: the result is written and every group is
+    # destroyed, yet gloo's worker threads can still hold tensors whose release
+    # during finalization aborts the rank (SIGABRT, "terminate called without an
+    # active exception"; seen in CI on `autotune measure`, pytorch PR 179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
