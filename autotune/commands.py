@@ -146,7 +146,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if limit < len(configs):
         configs = random.Random(args.seed).sample(configs, limit)
     margin = default_margin(args.device)
-    client = EstimatorClient(spec.value if spec.kind == "config_file" else args.model, args.nproc, args.nnodes, seq_len)
+    client = EstimatorClient(spec.value if spec.kind == "config_file" else args.model, args.nproc, args.nnodes, seq_len,
+                             exact=args.exact)
     progress = None if args.format == "json" else (
         lambda i, cfg: print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True))
     try:

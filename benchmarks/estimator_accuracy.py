@@ -1,6 +1,12 @@
 """Predicted against measured peak memory, on this machine: tiny Llama, 2 ranks, real torchrun.
 
     python benchmarks/estimator_accuracy.py [--quick] [--out benchmarks/results/estimator_accuracy_cpu.md]
+    python benchmarks/estimator_accuracy.py --scale [--quick] [--out benchmarks/results/estimator_scale_cpu.md]
+
+``--scale`` compares, for Llama-8B at world size 8 and Llama-70B at world size
+64 (8 nodes x 8), seq len 4096, the estimate extrapolated from 3- and 4-block
+copies against the full fake step (``--exact``), with the seconds each took.
+Target: within 2%, and <= 10 s per configuration extrapolated.
 
 For every configuration of the grid (llama-tiny in fp32, bf16 and fp16, and a
 tied-embedding variant under FSDP1 and FSDP2), the estimator predicts the peak
@@ -62,11 +68,87 @@ def grid(quick: bool, tied_model: str) -> list[tuple[str, FsdpConfig]]:
     return configs
 
 
+# (model, world size, nodes) the scale table covers, and its sequence length.
+SCALE_SHAPES = (("llama-8b", 8, 1), ("llama-70b", 64, 8))
+SCALE_SEQ_LEN = 4096
+
+
+def scale_configs(quick: bool, nnodes: int) -> list[FsdpConfig]:
+    """Configurations that stress each part of the extrapolation: precisions
+    (fp16's grad scaler), checkpointing modes (every other block repeats in
+    pairs), FSDP1's derived SHARD_GRAD_OP, and hybrid sharding."""
+    layer = ("LlamaDecoderLayer",)
+    hybrid_group = 8 if nnodes > 1 else 4
+    configs = [
+        FsdpConfig(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="full", transformer_layer_cls=layer),
+        FsdpConfig(fsdp_version=1, mixed_precision="fp16", activation_checkpointing="full", transformer_layer_cls=layer),
+        FsdpConfig(fsdp_version=2, sharding_strategy="HYBRID_SHARD", shard_group_size=hybrid_group,
+                   mixed_precision="bf16", activation_checkpointing="every_other_layer", transformer_layer_cls=layer),
+    ]
+    if not quick:
+        configs += [
+            FsdpConfig(fsdp_version=2, mixed_precision="fp32", activation_checkpointing="none", transformer_layer_cls=layer),
+            FsdpConfig(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP", mixed_precision="bf16",
+                       activation_checkpointing="selective", transformer_layer_cls=layer),
+            FsdpConfig(fsdp_version=2, mixed_precision="fp16", activation_checkpointing="full", micro_batch_size=2,
+                       transformer_layer_cls=layer),
+        ]
+    return configs
+
+
+def scale_main(args: argparse.Namespace) -> int:
+    rows, errors, fast_s, exact_s = [], [], [], []
+    for model, world_size, nnodes in SCALE_SHAPES[:1] if args.quick else SCALE_SHAPES:
+        fast = EstimatorClient(model, world_size, nnodes, SCALE_SEQ_LEN, timeout_s=3600)
+        exact = EstimatorClient(model, world_size, nnodes, SCALE_SEQ_LEN, timeout_s=3600, exact=True)
+        try:
+            for cfg in scale_configs(args.quick, nnodes):
+                guess, truth = fast.estimate(cfg), exact.estimate(cfg)
+                if "error" in guess or "error" in truth:
+                    print(f"estimate failed for {model} {cfg.describe()}: {guess.get('error') or truth.get('error')}")
+                    return 1
+                error = 100 * (guess["peak_bytes"] - truth["peak_bytes"]) / truth["peak_bytes"]
+                errors.append(abs(error))
+                fast_s.append(guess["seconds"])
+                exact_s.append(truth["seconds"])
+                rows.append(f"| {model} | {world_size} ({nnodes}x{world_size // nnodes}) | {cfg.describe()} | "
+                            f"{truth['peak_bytes'] / 2**30:.2f} | {guess['peak_bytes'] / 2**30:.2f} | {error:+.3f}% | "
+                            f"{truth['seconds']:.1f} | {guess['seconds']:.1f} | {truth['seconds'] / guess['seconds']:.1f}x | "
+                            f"{guess['method']} |")
+                print(rows[-1], flush=True)
+        finally:
+            fast.close()
+            exact.close()
+    command = f"python benchmarks/estimator_accuracy.py --scale{' --quick' if args.quick else ''}"
+    lines = [
+        f"# Estimator at scale: extrapolated against the full fake step — {datetime.date.today().isoformat()}",
+        "",
+        f"Machine: {machine()}. Seq len {SCALE_SEQ_LEN}, micro batch 1 unless shown. Command: `{command}`.",
+        "Both columns are the fake training step of autotune.worker.estimate at the real world size; 'exact' runs "
+        "every block, 'extrapolated' runs a 3- and a 4-block copy (4 and 6 when checkpointing every other block) "
+        "and extends the line. Seconds are per configuration, in the estimator's warm process.",
+        "",
+        "| model | world size (nodes x ranks) | configuration | exact GiB | extrapolated GiB | error | exact s | "
+        "extrapolated s | speed-up | method |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        *rows,
+        "",
+        f"**{len(rows)} configurations: max absolute error {max(errors):.3f}% (target <= 2%); extrapolated "
+        f"{statistics.median(fast_s):.1f} s median, {max(fast_s):.1f} s max (target <= 10 s); exact "
+        f"{statistics.median(exact_s):.1f} s median, {max(exact_s):.1f} s max.**",
+    ]
+    publish("\n".join(lines), args.out)
+    return 0 if max(errors) <= 2 and max(fast_s) <= 10 else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--scale", action="store_true", help="extrapolated against exact estimates of 8B@8 and 70B@64")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.scale:
+        return scale_main(args)
     work = Path(tempfile.mkdtemp(prefix="autotune-estimator-"))
     tied_model = str(work / "llama-tiny-tied.json")
     Path(tied_model).write_text(json.dumps(TIED))

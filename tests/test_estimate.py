@@ -8,6 +8,7 @@ from optuna.trial import TrialState
 
 from autotune.config import FsdpConfig
 from autotune.launch.estimator import EstimatorClient
+from autotune.presets import PRESETS
 from tests.conftest import run_cli
 
 # Fake training steps run in an estimator process (torch): seconds each.
@@ -80,7 +81,36 @@ def test_llama_7b_at_world_size_8_lands_in_the_first_principles_band():
     assert 18 <= gib <= 30, gib
     state = sum(result["breakdown"][k] for k in ("parameters", "optimizer_state")) / 2**30
     assert 9 <= state <= 13.5, result["breakdown"]  # fp32 shard + Adam moments: 12 B / 8 per parameter = 9.4 GiB
+    assert result["method"] == "fake_tensor_step+extrapolated(3,4->32)"
     assert result["seconds"] < 120
+
+
+@pytest.fixture(scope="module")
+def deep_clients(tmp_path_factory):
+    """Estimators of a 12-block llama-tiny at 4 ranks: extrapolated, and exact."""
+    deep = tmp_path_factory.mktemp("deep") / "llama-tiny-12.json"
+    deep.write_text(json.dumps({**PRESETS["llama-tiny"], "num_hidden_layers": 12}))
+    clients = EstimatorClient(str(deep), 4, 1, 128), EstimatorClient(str(deep), 4, 1, 128, exact=True)
+    yield clients
+    for client in clients:
+        client.close()
+
+
+@pytest.mark.parametrize("fields", [
+    # Every other block repeats in pairs; HSDP with selective checkpointing is
+    # where two blocks were too shallow to extrapolate from.
+    dict(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="every_other_layer"),
+    dict(fsdp_version=2, sharding_strategy="HYBRID_SHARD", shard_group_size=2, activation_checkpointing="selective"),
+], ids=["fsdp2-bf16-every-other", "hsdp-selective"])
+def test_a_deep_model_extrapolated_from_two_shallow_copies_matches_the_whole_step(fields, deep_clients):
+    fast, exact = deep_clients
+    cfg = FsdpConfig(micro_batch_size=2, transformer_layer_cls=LAYER, **fields)
+    guess, truth = fast.estimate(cfg), exact.estimate(cfg)
+    assert "error" not in guess and "error" not in truth, (guess, truth)
+    assert "extrapolated" in guess["method"] and "extrapolated" not in truth["method"]
+    assert guess["peak_bytes"] == pytest.approx(truth["peak_bytes"], rel=0.02)
+    for part in ("parameters", "gradients", "optimizer_state"):
+        assert guess["breakdown"][part] == pytest.approx(truth["breakdown"][part], rel=0.02, abs=2**16)
 
 
 @pytest.mark.torchrun

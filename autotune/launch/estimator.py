@@ -30,11 +30,12 @@ class EstimatorClient:
     """A long-lived ``python -m autotune.worker.estimate --serve``; thread-safe."""
 
     def __init__(self, model: str, world_size: int, nnodes: int, seq_len: int, timeout_s: float = 600,
-                 global_batch_size: int | None = None) -> None:
+                 global_batch_size: int | None = None, exact: bool = False) -> None:
         # With a global batch, each configuration is estimated with the
-        # gradient accumulation its micro batch needs.
+        # gradient accumulation its micro batch needs. ``exact`` runs every
+        # block of a deep model instead of extrapolating from two shallow copies.
         self.request = {"model": model, "world_size": world_size, "nnodes": nnodes, "seq_len": seq_len,
-                        "global_batch_size": global_batch_size}
+                        "global_batch_size": global_batch_size, "exact": exact}
         # A model whose forward hangs must not hang the tuner: past this, the
         # estimate is abandoned and the configuration is launched unestimated.
         self.timeout_s = timeout_s

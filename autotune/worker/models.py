@@ -33,7 +33,7 @@ class BuiltModel:
     layer_classes: tuple[str, ...]
 
 
-def _transformers_config(spec: ModelSpec):
+def _transformers_config(spec: ModelSpec, num_blocks: int | None = None):
     from transformers import AutoConfig
 
     if spec.kind == "preset":
@@ -42,7 +42,23 @@ def _transformers_config(spec: ModelSpec):
         with open(spec.value) as f:
             data = json.load(f)
     model_type = data.pop("model_type")
-    return AutoConfig.for_model(model_type, **data)
+    config = AutoConfig.for_model(model_type, **data)
+    if num_blocks is not None:
+        # attribute_map turns this into n_layer, num_layers, ... as the model names it.
+        config.num_hidden_layers = num_blocks
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:num_blocks]
+    return config
+
+
+def block_count(model: str) -> int | None:
+    """How many repeated blocks a preset or config.json model has (None for a
+    ``module:function`` factory, whose depth only its code knows)."""
+    spec = parse_model_spec(model)
+    if spec.kind == "factory":
+        return None
+    count = getattr(_transformers_config(spec), "num_hidden_layers", None)
+    return int(count) if isinstance(count, int) else None
 
 
 def _causal_lm_class(config):
@@ -80,7 +96,8 @@ def parameters_on_meta() -> Iterator[None]:
         handle.remove()
 
 
-def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str = "meta") -> BuiltModel:
+def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str = "meta",
+                num_blocks: int | None = None) -> BuiltModel:
     """Build ``model`` (preset, config.json path or ``module:function``).
 
     ``device="meta"`` puts its parameters on the meta device and keeps its
@@ -99,7 +116,7 @@ def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str =
                 raise TypeError(f"{spec.value} returned {type(module).__name__}, not a torch.nn.Module")
             vocab_size = getattr(getattr(module, "config", None), "vocab_size", None) or getattr(module, "vocab_size")
         else:
-            config = _transformers_config(spec)
+            config = _transformers_config(spec, num_blocks)
             module = _causal_lm_class(config)(config)
             vocab_size = config.vocab_size
     names = tuple(layer_cls_names) or tuple(getattr(module, "_no_split_modules", None) or ())
