@@ -50,7 +50,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the report to this Markdown file")
     args = parser.parse_args()
 
-    extra = ["--space", "smoke", "--seq-len", "64", "--trials", "3"] if args.quick else []
+    extra = ["--space", "smoke", "--seq-len", "64", "--trials", "3", "--confirm", "1"] if args.quick else []
     work = Path(tempfile.mkdtemp(prefix="autotune-bench-"))
     run, run_wall, study = run_study(work, extra)
     name = study.study_name

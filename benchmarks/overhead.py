@@ -78,7 +78,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smoke space, short sequence: keeps the script working")
     parser.add_argument("--out", default=None, help="also write the report to this Markdown file")
     args = parser.parse_args()
-    extra = ["--space", "smoke", "--seq-len", "64", "--trials", "3"] if args.quick else []
+    # Quick: no confirmation round, whose trials measure nothing this report splits.
+    extra = ["--space", "smoke", "--seq-len", "64", "--trials", "3", "--confirm", "0"] if args.quick else []
 
     runs = {}
     for label, env in (("fork server", None), ("fresh interpreters", {"AUTOTUNE_NO_FORKSERVER": "1"})):

@@ -8,9 +8,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``autotune ARGS`` as a user runs it: a new process, from ``cwd``."""
-    env = dict(os.environ)
+def run_cli(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    """``autotune ARGS`` as a user runs it: a new process, from ``cwd`` (``env`` added to this one's)."""
+    env = {**os.environ, **(env or {})}
     # Factories like tests.models:oom must import in the driver's probe and in every rank.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(

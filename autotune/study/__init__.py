@@ -11,7 +11,8 @@ estimate before launch), ``claims`` (each configuration measured once),
 ``objective`` (draw, gate, claim, launch, record), ``record`` (the names of a
 trial's attributes, and the helpers that read them), ``stopping``,
 ``reporter`` (the terminal and run.log), ``runner`` (puts them together),
-``storage`` and ``margin``.
+``storage`` (with ``mutex``, the study's lock in the database, and
+``outages``, lost connections retried) and ``margin``.
 
 The names below load on first use: ``autotune --help`` imports this package
 (for the storage default) and must not pay for optuna.

@@ -2,8 +2,14 @@
 
 Before a launch the objective claims its configuration: an earlier trial
 whose answer would not change is reused, a live trial measuring it right now
-is waited for, and otherwise this trial takes the claim. A tuner that died
-leaves its RUNNING trial behind; the next tuner fails it and queues it again.
+is waited for, and otherwise this trial takes the claim. The claim is made
+inside the study's critical section (:mod:`autotune.study.mutex`), which on a
+database server holds for tuners on every host.
+
+A tuner that died leaves its RUNNING trial behind; the next tuner fails it
+(cause ``tuner died``) and queues it again. On the dead tuner's own host that
+is certain at once (its pid is gone); from another host it is known when the
+trial's heartbeat is older than the grace period (:func:`heartbeat_grace_s`).
 """
 
 from __future__ import annotations
@@ -11,8 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -20,7 +25,6 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune import interrupts
 from autotune.config import FsdpConfig
 from autotune.launch.lifeline import process_alive, process_start_ticks
-from autotune.launch.locks import exclusive
 from autotune.study.baseline import as_params
 from autotune.study.record import Attr, trial_config
 
@@ -28,33 +32,42 @@ from autotune.study.record import Attr, trial_config
 WAIT_POLL_S = 1.0
 
 
+# Names this host in the trials it runs; containers that share a hostname
+# across machines set it to something unique.
+HOST_ID_ENV = "AUTOTUNE_HOST_ID"
+
+
+def host_id() -> str:
+    return os.environ.get(HOST_ID_ENV) or socket.gethostname()
+
+
 def runner_identity() -> dict[str, Any]:
     """Which process runs a trial: host, pid and the pid's start time."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start_ticks(os.getpid())}
+    return {"host": host_id(), "pid": os.getpid(), "start": process_start_ticks(os.getpid())}
 
 
 def runner_alive(trial: FrozenTrial) -> bool:
     """False only when the trial's tuner ran on this host and is gone; on
     another host the heartbeat decides."""
     runner = trial.user_attrs.get(Attr.RUNNER)
-    if not runner or runner.get("host") != socket.gethostname():
+    if not runner or runner.get("host") != host_id():
         return True
     return process_alive(runner["pid"]) and process_start_ticks(runner["pid"]) == runner.get("start")
 
 
 class Claims:
-    """The claim to measure a configuration, atomic across the tuners of this host."""
+    """The claim to measure a configuration, atomic across every tuner of the study."""
 
-    def __init__(self, study: optuna.Study, lock_path: Path, wait_s: float) -> None:
+    def __init__(self, study: optuna.Study, mutex: Callable[[], ContextManager[None]], wait_s: float) -> None:
         self.study = study
-        self.lock_path = lock_path
+        self.mutex = mutex
         # How long a trial another tuner runs may take before it is not waited for.
         self.wait_s = wait_s
 
     def claim(self, trial: optuna.Trial, cfg: FsdpConfig, on_wait: Callable[[FrozenTrial], None]) -> FrozenTrial | None:
         """An earlier trial to reuse, or None once ``trial`` holds the claim."""
         while True:
-            with exclusive(self.lock_path):
+            with self.mutex():
                 previous, running = self.already_measured(cfg, trial.number)
                 if previous is None and running is None:
                     trial.set_user_attr(Attr.CLAIMED, True)
@@ -87,21 +100,55 @@ class Claims:
         return finished, running
 
     def wait_for(self, other: FrozenTrial) -> None:
+        """Until ``other`` ends, its tuner is found dead (here by its pid,
+        elsewhere by its heartbeat), or the trial timeout passes."""
         deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
             interrupts.check()
+            fail_stale_trials(self.study)
             current = self.study._storage.get_trial(other._trial_id)
             if current.state.is_finished() or not runner_alive(current):
                 return
             time.sleep(WAIT_POLL_S)
 
 
-def recover_stale_trials(study: optuna.Study, say: Callable[[str], None]) -> int:
-    """Fail the RUNNING trials whose tuner died on this host, and queue them again.
+def fail_stale_trials(study: optuna.Study) -> None:
+    """Optuna's heartbeat check: RUNNING trials of any host whose heartbeat is
+    older than the grace period become FAIL, and
+    :func:`requeue_dead_tuners_trial` queues each again (once, whichever tuner saw it first)."""
+    optuna.storages.fail_stale_trials(study)
 
-    Optuna's heartbeat does the same after its grace period, for any host;
-    here a dead tuner is certain at once, so the retry need not wait.
+
+DEAD_TUNER_ERROR = "the autotune process running this trial stopped sending heartbeats; the trial was queued again"
+
+
+def mark_dead_tuners_trial(storage: Any, trial_id: int) -> bool:
+    """Give a trial whose heartbeat went stale its cause, while it is still
+    RUNNING (Optuna lets nobody write to a finished trial). False when another
+    tuner finished it first: that tuner recovers it."""
+    from optuna.exceptions import UpdateFinishedTrialError
+
+    try:
+        storage.set_trial_user_attr(trial_id, Attr.CAUSE, "tuner died")
+        storage.set_trial_user_attr(trial_id, Attr.ERROR, DEAD_TUNER_ERROR)
+    except UpdateFinishedTrialError:
+        return False
+    return True
+
+
+def requeue_dead_tuners_trial(study: optuna.Study, trial: FrozenTrial) -> None:
+    """The heartbeat's stale-trial callback: Optuna has made ``trial`` FAIL, and
+    only the tuner whose FAIL went through is called, so it is queued once."""
+    requeue(study, trial)
+
+
+def recover_stale_trials(study: optuna.Study, say: Callable[[str], None]) -> int:
+    """Fail the RUNNING trials whose tuner died, and queue them again.
+
+    On this host a dead tuner is certain at once; another host's is known by
+    its heartbeat, after the grace period.
     """
+    fail_stale_trials(study)
     recovered = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if runner_alive(t):

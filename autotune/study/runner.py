@@ -23,7 +23,7 @@ from autotune.launch.forkserver import ForkServer
 from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launch.launcher import launch_trial
 from autotune.launch.multinode import launch_local, launch_slurm
-from autotune.launch.locks import exclusive
+from autotune.study.mutex import study_mutex
 from autotune.study import confirm
 from autotune.study.baseline import as_params, enqueue_baseline
 from autotune.study.claims import Claims, recover_stale_trials, settle_interrupted
@@ -151,7 +151,8 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
         search = ModelSearch(candidates, model.layer_classes, gate.fit_chance, precision_effects(host), seed=settings.seed,
                              use_frontier=settings.seed_frontier, say=reporter.say, compile_effect=compile_effect(host))
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
-                          gate=gate, claims=Claims(study, folder / "claims.lock", settings.trial_timeout_s + 60),
+                          gate=gate, claims=Claims(study, study_mutex(study._storage, settings.study_name, folder / "claims.lock"),
+                                        settings.trial_timeout_s + 60),
                           reporter=reporter, folder=folder, search=search,
                           sampler=sampler if search is not None else None)
     space_keys = {c.key() for c in candidates} if len(candidates) <= 4 * MAX_IDLE_DRAWS or search else None
@@ -163,7 +164,7 @@ def _search(parts: _Parts, on_trial_complete) -> None:
     study, settings = parts.study, parts.settings
     parts.gate.start()
     # Several tuners may start on one study at once: one of them enqueues the first trials.
-    with exclusive(parts.objective.folder / "claims.lock"):
+    with parts.objective.claims.mutex():
         if not study.get_trials(deepcopy=False):
             enqueue_baseline(study, parts.host, parts.model.layer_classes, settings.space)
             if settings.seed_frontier and parts.search is None:
@@ -197,7 +198,7 @@ def _enqueue_frontier(parts: _Parts) -> None:
 def _confirm(parts: _Parts, on_trial_complete) -> dict[str, Any] | None:
     """Re-measure the finalists and the references in interleaved rounds; store and return the verdict."""
     study, settings = parts.study, parts.settings
-    with exclusive(parts.objective.folder / "claims.lock"):
+    with parts.objective.claims.mutex():
         entries = confirm.round_entries(study, parts.host, settings.space, parts.model.layer_classes, settings.nnodes,
                                         parts.gate.fit_reason)
         queued = confirm.enqueue_rounds(study, entries, settings.confirm) if entries else 0

@@ -19,8 +19,13 @@ from autotune.errors import UsageError
 DEFAULT_STORAGE = "sqlite:///studies/autotune.db"
 # Seconds a connection waits for SQLite's write lock before giving up.
 SQLITE_LOCK_TIMEOUT_S = 120
-HEARTBEAT_INTERVAL_S = 30
-HEARTBEAT_GRACE_S = 120
+# A running trial's tuner writes a heartbeat this often; a trial whose last
+# heartbeat is older than the grace period belongs to a tuner that died (on
+# any host): the next tuner to look fails it (cause "tuner died") and queues
+# it again. The grace must outlast a slow write under load, and stay under a
+# minute so a dead tuner's configuration is soon measured by another.
+HEARTBEAT_GRACE_S = 40.0
+HEARTBEAT_GRACE_ENV = "AUTOTUNE_HEARTBEAT_GRACE_S"
 
 
 def mask_url(url: str) -> str:
@@ -92,38 +97,63 @@ def prepare_storage(url: str) -> None:
 def open_storage(url: str, heartbeat: bool = False) -> Any:
     """An Optuna RDBStorage with a lock timeout and, for runs, trial heartbeats.
 
-    Heartbeats let a rerun find a trial whose tuner was killed (still RUNNING,
-    no heartbeat) and retry it instead of leaving it RUNNING forever.
+    Heartbeats let any tuner, on any host, find a trial whose tuner was
+    killed (still RUNNING, no heartbeat) and retry it instead of leaving it
+    RUNNING forever.
     """
     import warnings
 
     import optuna
-
-    from autotune.launch.locks import exclusive
     from optuna.exceptions import ExperimentalWarning
-    from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 
     # Heartbeats, grouped TPE and metric names are used on purpose; their
     # "experimental" notices would bury the tuner's own output.
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
 
+    from autotune.study.claims import requeue_dead_tuners_trial
+    from autotune.study.mutex import database_lock
+    from autotune.study.outages import retry_connection_loss
+
     engine_kwargs: dict[str, Any] = {}
     if sqlite_path(url) is not None:
         engine_kwargs["connect_args"] = {"timeout": SQLITE_LOCK_TIMEOUT_S}
+    else:
+        # A pooled connection the server dropped while idle (a restart, a
+        # proxy's timeout) is found by a ping and replaced before use.
+        engine_kwargs.update(pool_pre_ping=True, pool_recycle=1800)
     kwargs: dict[str, Any] = {}
     if heartbeat:
-        kwargs = dict(
-            heartbeat_interval=HEARTBEAT_INTERVAL_S,
-            grace_period=HEARTBEAT_GRACE_S,
-            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
-        )
+        grace = heartbeat_grace_s()
+        kwargs = dict(heartbeat_interval=max(1, int(grace / 4)), grace_period=max(2, int(grace)),
+                      heartbeat_stale_trial_callback=requeue_dead_tuners_trial)
     # Optuna logs every caught trial failure with its traceback; the tuner
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    # Creating the schema of a new database is not safe to race: tuners started
-    # together on a new file would both insert its version row.
-    with exclusive(_storage_lock_path(url)):
-        return _storage_class()(url, engine_kwargs=engine_kwargs, **kwargs)
+
+    def create() -> Any:
+        # Creating the schema of a new database is not safe to race: tuners
+        # started together, on this host or others, would both insert its version row.
+        from sqlalchemy import create_engine
+        from sqlalchemy.pool import NullPool
+
+        bare = None if sqlite_path(url) is not None else create_engine(url, poolclass=NullPool)
+        try:
+            with database_lock(bare, "schema", _storage_lock_path(url)):
+                return _storage_class()(url, engine_kwargs=engine_kwargs, **kwargs)
+        finally:
+            if bare is not None:
+                bare.dispose()
+
+    return retry_connection_loss(create)
+
+
+def heartbeat_grace_s() -> float:
+    """The heartbeat grace period: :data:`HEARTBEAT_GRACE_S` unless the
+    environment sets another (tests, and clusters with slow storage)."""
+    try:
+        return max(2.0, float(os.environ.get(HEARTBEAT_GRACE_ENV) or HEARTBEAT_GRACE_S))
+    except ValueError:
+        return HEARTBEAT_GRACE_S
 
 
 def _storage_lock_path(url: str) -> Path:
@@ -132,36 +162,52 @@ def _storage_lock_path(url: str) -> Path:
     return lock_dir() / f"storage-{hashlib.sha256(url.encode()).hexdigest()[:16]}.lock"
 
 
-def _deferring_interrupts(base: type) -> type:
+def _resilient(base: type) -> type:
     """A subclass of ``base`` whose every public method is one critical section
-    (:func:`autotune.interrupts.critical`): Ctrl-C or SIGTERM never lands
-    inside SQLAlchemy, where it could strand a connection that holds a lock."""
+    (:func:`autotune.interrupts.critical`), retried when its connection is lost.
+
+    Ctrl-C or SIGTERM never lands inside SQLAlchemy, where it could strand a
+    connection that holds a lock. A retry runs the whole call again in a new
+    transaction: the one that lost its connection was rolled back by the server.
+    """
     import functools
     import inspect
     import types
 
     from autotune import interrupts
+    from autotune.study.outages import StorageUnavailable, retry_connection_loss
 
-    def deferring(method):
+    def resilient(name, method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
-            with interrupts.critical():
-                return method(self, *args, **kwargs)
+            def once():
+                with interrupts.critical():
+                    return method(self, *args, **kwargs)
+
+            if name == "record_heartbeat":
+                # The heartbeat thread: a beat missed in an outage is made up
+                # by the next one, and a thread must not die with a traceback.
+                try:
+                    return retry_connection_loss(once, quiet=True)
+                except StorageUnavailable:
+                    return None
+            return retry_connection_loss(once)
 
         return call
 
-    methods = {name: deferring(getattr(base, name)) for name in dir(base)
+    methods = {name: resilient(name, getattr(base, name)) for name in dir(base)
                if not name.startswith("_") and isinstance(inspect.getattr_static(base, name), types.FunctionType)}
-    return type(f"Deferring{base.__name__}", (base,), methods)
+    return type(f"Resilient{base.__name__}", (base,), methods)
 
 
 def _storage_class() -> type:
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.storages import RDBStorage
     from optuna.trial import TrialState
 
     from autotune.launch.locks import exclusive
 
-    class HostSerializedRDBStorage(_deferring_interrupts(RDBStorage)):
+    class HostSerializedRDBStorage(_resilient(RDBStorage)):
         """RDBStorage whose WAITING -> RUNNING step is atomic across threads and processes.
 
         Optuna takes an enqueued trial by reading that it is WAITING and writing
@@ -175,11 +221,27 @@ def _storage_class() -> type:
             self._autotune_url = url
             super().__init__(url, **kwargs)
 
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            # Optuna fails what this returns, then calls the stale-trial
+            # callback; the cause must be written before, while the trial is
+            # still RUNNING. Every tuner that sees it stale writes the same cause.
+            from autotune.study.claims import mark_dead_tuners_trial
+
+            return [t for t in super()._get_stale_trial_ids(study_id) if mark_dead_tuners_trial(self, t)]
+
         def set_trial_state_values(self, trial_id, state, values=None):  # type: ignore[override]
-            if state != TrialState.RUNNING:
-                return super().set_trial_state_values(trial_id, state, values)
-            with exclusive(_storage_lock_path(self._autotune_url)):
-                return super().set_trial_state_values(trial_id, state, values)
+            try:
+                if state != TrialState.RUNNING:
+                    return super().set_trial_state_values(trial_id, state, values)
+                with exclusive(_storage_lock_path(self._autotune_url)):
+                    return super().set_trial_state_values(trial_id, state, values)
+            except UpdateFinishedTrialError:
+                # A retry after a lost connection whose commit had gone through:
+                # the trial already holds exactly this outcome, recorded once.
+                stored = self.get_trial(trial_id)
+                if state.is_finished() and stored.state == state and (values is None or stored.values == list(values)):
+                    return False
+                raise
 
     return HostSerializedRDBStorage
 
