@@ -469,7 +469,8 @@ def main() -> int:
         f"returns one of its passes at random). {args.seeds} seeds, {args.launches} launches a replay; "
         f"{time.perf_counter() - started:.0f} s in all.",
         f"Command: `python benchmarks/search_efficiency.py{' --quick' if args.quick else ''} --seeds {args.seeds} "
-        f"--launches {args.launches}" + (f" --budget {args.budget}" if args.budget else "") + "`", "",
+        f"--launches {args.launches}" + (f" --budget {args.budget}" if args.budget else "")
+        + (f" --strategies \"{args.strategies}\"" if args.strategies != ",".join(STRATEGIES) else "") + "`", "",
         "A launch is one torchrun job. autotune never launches (or draws) a configuration twice, and rules out those "
         "predicted not to fit before any trial; plain Optuna TPE launches a repeated draw again.", "",
     ]
