@@ -41,9 +41,11 @@ def _statements(dialect: str, name: str) -> tuple[str, str, dict[str, Any]] | No
 
 
 @contextmanager
-def database_lock(engine: Any, name: str, fallback: Path) -> Iterator[None]:
+def database_lock(engine: Any, name: str, fallback: Path, patient: bool = True) -> Iterator[None]:
     """Hold the lock ``name`` in the database behind ``engine`` (``fallback``, a
-    host-wide file lock, for SQLite and any engine without named locks)."""
+    host-wide file lock, for SQLite and any engine without named locks).
+    ``patient`` rides out a lost connection (:mod:`autotune.study.outages`);
+    otherwise the first failure to connect is raised."""
     statements = None if engine is None else _statements(engine.dialect.name, name)
     if statements is None:
         with exclusive(fallback):
@@ -66,7 +68,7 @@ def database_lock(engine: Any, name: str, fallback: Path) -> Iterator[None]:
             raise
         return conn
 
-    conn = retry_connection_loss(acquire)
+    conn = retry_connection_loss(acquire) if patient else acquire()
     try:
         yield
     finally:

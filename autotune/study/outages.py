@@ -69,7 +69,8 @@ def is_connection_loss(exc: BaseException) -> bool:
     return False
 
 
-def _first_line(exc: BaseException) -> str:
+def connection_error(exc: BaseException) -> str:
+    """The driver's own first line for a failed connection (it names no password)."""
     from sqlalchemy import exc as sa
 
     seen: BaseException | None = exc
@@ -97,12 +98,12 @@ def retry_connection_loss(call: Callable[[], T], quiet: bool = False) -> T:
             away = time.monotonic() - started
             limit = outage_limit_s()
             if away >= limit:
-                _gave_up = (f"the study's database was unreachable for {away:.0f} s ({_first_line(exc)}); "
+                _gave_up = (f"the study's database was unreachable for {away:.0f} s ({connection_error(exc)}); "
                             f"the study is intact: rerun the same command once the server is back "
                             f"(the limit is {limit:g} s, set by {OUTAGE_LIMIT_ENV})")
                 raise StorageUnavailable(_gave_up) from None
             if not told and not quiet:
-                print(f"autotune: lost the study's database ({_first_line(exc)}); retrying for up to {limit:g} s",
+                print(f"autotune: lost the study's database ({connection_error(exc)}); retrying for up to {limit:g} s",
                       file=sys.stderr, flush=True)
                 told = True
             delay = BACKOFF_S[attempt] if attempt < len(BACKOFF_S) else BACKOFF_MAX_S

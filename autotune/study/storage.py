@@ -112,7 +112,7 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
 
     from autotune.study.claims import requeue_dead_tuners_trial
     from autotune.study.mutex import database_lock
-    from autotune.study.outages import retry_connection_loss
+    from autotune.study.outages import connection_error, is_connection_loss
 
     engine_kwargs: dict[str, Any] = {}
     if sqlite_path(url) is not None:
@@ -138,13 +138,22 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
 
         bare = None if sqlite_path(url) is not None else create_engine(url, poolclass=NullPool)
         try:
-            with database_lock(bare, "schema", _storage_lock_path(url)):
+            with database_lock(bare, "schema", _storage_lock_path(url), patient=False):
                 return _storage_class()(url, engine_kwargs=engine_kwargs, **kwargs)
         finally:
             if bare is not None:
                 bare.dispose()
 
-    return retry_connection_loss(create)
+    # A server that cannot be reached at the start is a URL to check (host,
+    # port, password) more often than an outage: one line at once, not five
+    # minutes of retries. Once connected, a lost connection is retried.
+    try:
+        return create()
+    except Exception as exc:
+        if not is_connection_loss(exc):
+            raise
+        raise UsageError(f"--storage {mask_url(url)}: cannot connect ({connection_error(exc)}); check the host, "
+                         "port, user and password, or start the server") from None
 
 
 def heartbeat_grace_s() -> float:
