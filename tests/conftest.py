@@ -20,6 +20,20 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | N
     )
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text``: the orphan check, from the process table."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(int(entry))
+    return found
+
+
 @pytest.fixture
 def cli(tmp_path):
     def call(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

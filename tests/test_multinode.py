@@ -14,7 +14,7 @@ import pytest
 from autotune.config import FsdpConfig, TrialRequest
 from autotune.launch.launcher import launch_trial, process_tree
 from autotune.launch.multinode import launch_local, node_devices, srun_command
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, processes_mentioning, run_cli
 
 LAYER = ("LlamaDecoderLayer",)
 
@@ -27,19 +27,6 @@ def test_simulated_nodes_split_the_slot_and_srun_places_one_agent_per_node():
     assert "--rdzv-endpoint=node1:29500" in on_nodes and "--nproc-per-node=8" in on_nodes and "--nnodes=2" in on_nodes
     # An allocation with fewer nodes than the trial spans: the agents share them.
     assert "--overcommit" in srun_command(2, 1, 1, "n:1", "x", Path("c.json"), Path("t"))
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(int(entry))
-    return found
 
 
 @pytest.mark.torchrun
@@ -77,7 +64,7 @@ def test_a_node_lost_mid_trial_ends_it_at_once_and_leaves_nothing(tmp_path):
         worker.start()
         agent = None
         while agent is None and time.monotonic() - start < 60:
-            agent = next((pid for pid in _processes_mentioning("--node-rank=1") if str(tmp_path) in
+            agent = next((pid for pid in processes_mentioning("--node-rank=1") if str(tmp_path) in
                           Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")), None)
             time.sleep(0.2)
         assert agent is not None, "node 1's agent never started"
@@ -91,9 +78,9 @@ def test_a_node_lost_mid_trial_ends_it_at_once_and_leaves_nothing(tmp_path):
     assert result.status == "node_lost" and "node 1" in result.error
     assert time.monotonic() - start < 60, "the trial waited for its timeout"
     deadline = time.monotonic() + 15
-    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+    while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _processes_mentioning(str(tmp_path)) == [], "an agent or rank outlived the lost node"
+    assert processes_mentioning(str(tmp_path)) == [], "an agent or rank outlived the lost node"
 
 
 @pytest.mark.torchrun

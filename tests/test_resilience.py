@@ -11,7 +11,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, processes_mentioning, run_cli
 
 pytestmark = pytest.mark.torchrun
 
@@ -22,20 +22,6 @@ def _study(root: Path, name: str | None = None) -> optuna.Study:
     storage = f"sqlite:///{root / 'studies' / 'autotune.db'}"
     names = optuna.get_all_study_names(storage)
     return optuna.load_study(study_name=name or names[0], storage=storage)
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line mentions ``text``: the orphan check, from the process table."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(int(entry))
-    return found
 
 
 def test_a_hung_trial_times_out_and_leaves_no_process(tmp_path):
@@ -49,7 +35,7 @@ def test_a_hung_trial_times_out_and_leaves_no_process(tmp_path):
     for t in trials:
         assert t.user_attrs["cause"] == "timeout"
         assert Path(tmp_path / t.user_attrs["log_path"]).exists()
-    assert _processes_mentioning(str(tmp_path)) == [], "trial processes outlived the timeout"
+    assert processes_mentioning(str(tmp_path)) == [], "trial processes outlived the timeout"
     table = run_cli("trials", cwd=tmp_path).stdout
     assert table.count("timeout") >= 1 and "no result within --trial-timeout 6s" in table
 
@@ -68,9 +54,9 @@ def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path):
     tuner.send_signal(signal.SIGKILL)
     tuner.wait()
     deadline = time.monotonic() + 20
-    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+    while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _processes_mentioning(str(tmp_path)) == [], "torchrun or a rank outlived the killed tuner"
+    assert processes_mentioning(str(tmp_path)) == [], "torchrun or a rank outlived the killed tuner"
     (stale,) = _study(tmp_path).trials
     assert stale.state == TrialState.RUNNING
 

@@ -8,7 +8,7 @@ import time
 import optuna
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, processes_mentioning
 
 pytestmark = pytest.mark.torchrun
 
@@ -40,19 +40,6 @@ def _result(done) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline:
-                found.append(int(entry))
-    return found
-
-
 def test_a_two_node_trial_runs_as_one_job_step_of_two_agents(slurm, tmp_path):
     done = _in_allocation(slurm, tmp_path, sys.executable, "-c", TRIAL, "llama-tiny", "240", str(tmp_path / "trial"))
     result = _result(done)
@@ -71,9 +58,9 @@ def test_a_timed_out_step_leaves_no_step_and_no_process(slurm, tmp_path):
     assert result["status"] == "timeout" and result["wall_s"] < 60
     assert time.monotonic() - start < 120
     deadline = time.monotonic() + 30
-    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+    while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _processes_mentioning(str(tmp_path)) == [], "a rank or agent outlived the cancelled step"
+    assert processes_mentioning(str(tmp_path)) == [], "a rank or agent outlived the cancelled step"
     steps = slurm.run("squeue", "--steps", "--noheader", "--name", "autotune-test").stdout.strip()
     assert steps == "", f"steps left behind: {steps}"
 
@@ -105,13 +92,13 @@ def test_a_killed_tuner_takes_its_job_step_with_it(slurm, tmp_path):
                               sys.executable, "-c", TRIAL, "tests.models:hang", "300", str(tmp_path / "trial")],
                              env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
-    while not _processes_mentioning(str(tmp_path / "trial" / "config.json")) and time.monotonic() < deadline:
+    while not processes_mentioning(str(tmp_path / "trial" / "config.json")) and time.monotonic() < deadline:
         time.sleep(0.5)
     time.sleep(5)
-    driver = next(pid for pid in _processes_mentioning("launch_slurm") if pid != tuner.pid)
+    driver = next(pid for pid in processes_mentioning("launch_slurm") if pid != tuner.pid)
     os.kill(driver, signal.SIGKILL)  # the tuner dies without any clean-up of its own
     deadline = time.monotonic() + 45
-    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+    while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _processes_mentioning(str(tmp_path)) == [], "the job step outlived the killed tuner"
+    assert processes_mentioning(str(tmp_path)) == [], "the job step outlived the killed tuner"
     tuner.wait(60)
