@@ -105,18 +105,13 @@ class Claims:
         deadline = time.monotonic() + self.wait_s
         while time.monotonic() < deadline:
             interrupts.check()
-            fail_stale_trials(self.study)
+            # Optuna's heartbeat check: a trial of any host whose heartbeat is
+            # older than the grace period becomes FAIL and is queued again.
+            optuna.storages.fail_stale_trials(self.study)
             current = self.study._storage.get_trial(other._trial_id)
             if current.state.is_finished() or not runner_alive(current):
                 return
             time.sleep(WAIT_POLL_S)
-
-
-def fail_stale_trials(study: optuna.Study) -> None:
-    """Optuna's heartbeat check: RUNNING trials of any host whose heartbeat is
-    older than the grace period become FAIL, and
-    :func:`requeue_dead_tuners_trial` queues each again (once, whichever tuner saw it first)."""
-    optuna.storages.fail_stale_trials(study)
 
 
 DEAD_TUNER_ERROR = "the autotune process running this trial stopped sending heartbeats; the trial was queued again"
@@ -129,17 +124,10 @@ def mark_dead_tuners_trial(storage: Any, trial_id: int) -> bool:
     from optuna.exceptions import UpdateFinishedTrialError
 
     try:
-        storage.set_trial_user_attr(trial_id, Attr.CAUSE, "tuner died")
-        storage.set_trial_user_attr(trial_id, Attr.ERROR, DEAD_TUNER_ERROR)
+        write_cause(storage, trial_id, "tuner died", DEAD_TUNER_ERROR)
     except UpdateFinishedTrialError:
         return False
     return True
-
-
-def requeue_dead_tuners_trial(study: optuna.Study, trial: FrozenTrial) -> None:
-    """The heartbeat's stale-trial callback: Optuna has made ``trial`` FAIL, and
-    only the tuner whose FAIL went through is called, so it is queued once."""
-    requeue(study, trial)
 
 
 def recover_stale_trials(study: optuna.Study, say: Callable[[str], None]) -> int:
@@ -148,7 +136,7 @@ def recover_stale_trials(study: optuna.Study, say: Callable[[str], None]) -> int
     On this host a dead tuner is certain at once; another host's is known by
     its heartbeat, after the grace period.
     """
-    fail_stale_trials(study)
+    optuna.storages.fail_stale_trials(study)
     recovered = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if runner_alive(t):
@@ -186,9 +174,14 @@ def settle_interrupted(study: optuna.Study, name: str) -> list[int]:
     return settled
 
 
+def write_cause(storage: Any, trial_id: int, cause: str, error: str) -> None:
+    """Why a RUNNING trial is about to fail (Optuna takes no writes once it has)."""
+    storage.set_trial_user_attr(trial_id, Attr.CAUSE, cause)
+    storage.set_trial_user_attr(trial_id, Attr.ERROR, error)
+
+
 def fail(study: optuna.Study, trial: FrozenTrial, cause: str, error: str) -> None:
-    study._storage.set_trial_user_attr(trial._trial_id, Attr.CAUSE, cause)
-    study._storage.set_trial_user_attr(trial._trial_id, Attr.ERROR, error)
+    write_cause(study._storage, trial._trial_id, cause, error)
     study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
 
 

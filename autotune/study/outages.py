@@ -42,12 +42,17 @@ def given_up() -> str | None:
     return _gave_up
 
 
-def outage_limit_s() -> float:
-    value = os.environ.get(OUTAGE_LIMIT_ENV)
+def seconds_from_env(name: str, default: float) -> float:
+    """A period the environment may set (``name``), else ``default``; an
+    unreadable value counts as unset."""
     try:
-        return float(value) if value else DEFAULT_OUTAGE_LIMIT_S
+        return float(os.environ.get(name) or default)
     except ValueError:
-        return DEFAULT_OUTAGE_LIMIT_S
+        return default
+
+
+def outage_limit_s() -> float:
+    return seconds_from_env(OUTAGE_LIMIT_ENV, DEFAULT_OUTAGE_LIMIT_S)
 
 
 def is_connection_loss(exc: BaseException) -> bool:

@@ -22,8 +22,9 @@ SQLITE_LOCK_TIMEOUT_S = 120
 # A running trial's tuner writes a heartbeat this often; a trial whose last
 # heartbeat is older than the grace period belongs to a tuner that died (on
 # any host): the next tuner to look fails it (cause "tuner died") and queues
-# it again. The grace must outlast a slow write under load, and stay under a
-# minute so a dead tuner's configuration is soon measured by another.
+# it again (Optuna calls the stale-trial callback only in the tuner whose FAIL
+# went through: queued once). The grace must outlast a slow write under load,
+# and stay under a minute so a dead tuner's configuration is soon measured by another.
 HEARTBEAT_GRACE_S = 40.0
 HEARTBEAT_GRACE_ENV = "AUTOTUNE_HEARTBEAT_GRACE_S"
 
@@ -110,7 +111,7 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
     # "experimental" notices would bury the tuner's own output.
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
 
-    from autotune.study.claims import requeue_dead_tuners_trial
+    from autotune.study.claims import requeue
     from autotune.study.mutex import database_lock
     from autotune.study.outages import connection_error, is_connection_loss
 
@@ -125,7 +126,7 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
     if heartbeat:
         grace = heartbeat_grace_s()
         kwargs = dict(heartbeat_interval=max(1, int(grace / 4)), grace_period=max(2, int(grace)),
-                      heartbeat_stale_trial_callback=requeue_dead_tuners_trial)
+                      heartbeat_stale_trial_callback=requeue)
     # Optuna logs every caught trial failure with its traceback; the tuner
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -159,10 +160,9 @@ def open_storage(url: str, heartbeat: bool = False) -> Any:
 def heartbeat_grace_s() -> float:
     """The heartbeat grace period: :data:`HEARTBEAT_GRACE_S` unless the
     environment sets another (tests, and clusters with slow storage)."""
-    try:
-        return max(2.0, float(os.environ.get(HEARTBEAT_GRACE_ENV) or HEARTBEAT_GRACE_S))
-    except ValueError:
-        return HEARTBEAT_GRACE_S
+    from autotune.study.outages import seconds_from_env
+
+    return max(2.0, seconds_from_env(HEARTBEAT_GRACE_ENV, HEARTBEAT_GRACE_S))
 
 
 def _storage_lock_path(url: str) -> Path:
