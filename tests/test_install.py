@@ -14,6 +14,24 @@ import pytest
 from tests.conftest import REPO
 
 
+def _readme_test_command() -> str:
+    """The README's second set-up command: the line that installs the test tools and runs pytest."""
+    lines = [line.strip() for line in (REPO / "README.md").read_text().splitlines()]
+    (command,) = [line for line in lines if line.startswith("bash .ci/system-packages") and "pytest" in line]
+    return command
+
+
+def test_ci_runs_the_readme_test_command_in_a_fresh_virtualenv():
+    script = (REPO / ".ci" / "run").read_text()
+    lines = [line.strip() for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[-1] == _readme_test_command(), "the README's test command and .ci/run's last line must agree"
+    # The command runs inside a virtualenv made by the script itself, so nothing
+    # installed on the machine by hand can stand in for a missing requirement.
+    venv_at = next(i for i, line in enumerate(lines) if line.startswith("python3 -m venv"))
+    activate_at = next(i for i, line in enumerate(lines) if "/bin/activate" in line)
+    assert venv_at < activate_at < len(lines) - 1
+
+
 def _declared_distributions() -> set[str]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     return {re.split(r"[<>=!\[; ]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}
@@ -92,3 +110,48 @@ def test_an_installed_wheel_runs_a_study_from_another_folder(installed, tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Best (one trial, not confirmed" in done.stdout and "trial #0" in done.stdout
     assert (tmp_path / "studies" / "llama-tiny-w2-s32-20GB" / "best_config.json").exists()
+
+
+# Every module of the package and every benchmark script, imported by name in
+# the fresh environment; then the one dependency optuna loads only when a
+# GPSampler first fits (scipy), exercised for real.
+_IMPORT_EVERYTHING = r"""
+import importlib, importlib.util, pathlib, sys
+import autotune
+root = pathlib.Path(autotune.__file__).parent
+for path in sorted(root.rglob("*.py")):
+    name = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+    if name != "autotune.__main__":  # runs the CLI on import, as python -m autotune does
+        importlib.import_module(name)
+bench = pathlib.Path(sys.argv[1])
+sys.path.insert(0, str(bench))
+for path in sorted(bench.glob("*.py")):
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+import optuna
+from autotune.study.identity import make_sampler
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+study = optuna.create_study(sampler=make_sampler("gp", 0), direction="maximize")
+study.optimize(lambda t: t.suggest_float("x", 0, 1) - t.suggest_int("n", 1, 4), n_trials=14)
+print("imported", len(list(root.rglob("*.py"))), "modules and", len(list(bench.glob("*.py"))), "benchmarks")
+"""
+
+
+@pytest.mark.torchrun
+def test_the_wheel_with_its_declared_extras_suffices_in_an_empty_virtualenv(installed, tmp_path):
+    """What a new machine gets: the wheel and what it declares, nothing installed by hand."""
+    _, wheel = installed
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    # torch==2.13.0 is this machine's CPU build (a bare "torch" would pull a CUDA one);
+    # every other requirement is resolved from what the wheel declares.
+    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", f"{wheel}[test,postgres]"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = subprocess.run([str(python), "-c", _IMPORT_EVERYTHING, str(REPO / "benchmarks")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("imported"), done.stdout
