@@ -12,7 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from autotune import __version__, interrupts
-from autotune.config import DEFAULT_TIMED_STEPS, LAUNCHERS, MIN_WARMUP_STEPS, SEARCHES
+from autotune.config import CUDA_TIMED_STEPS, CUDA_TIMING_BUDGET_S, DEFAULT_TIMED_STEPS, LAUNCHERS, MIN_WARMUP_STEPS, SEARCHES
 from autotune.errors import UsageError
 from autotune.study import outages
 from autotune.outputs.formats import FORMATS
@@ -145,8 +145,13 @@ def _add_search_flags(run: Any) -> None:
     run.add_argument("--warmup-steps", type=_at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory"), default=MIN_WARMUP_STEPS,
                      help=f"untimed steps before timing, at least {MIN_WARMUP_STEPS}: the first allocates optimizer "
                           f"state, the last measures peak memory (default: {MIN_WARMUP_STEPS})")
-    run.add_argument("--timed-steps", type=_positive_int, default=DEFAULT_TIMED_STEPS,
-                     help=f"most timed steps per trial; tokens/s uses their median step time (default: {DEFAULT_TIMED_STEPS})")
+    run.add_argument("--timed-steps", type=_positive_int, default=None,
+                     help=f"most timed steps per trial; tokens/s uses their median step time (default: {DEFAULT_TIMED_STEPS} "
+                          f"on CPU, where trials of one configuration differ by more than their steps do; "
+                          f"{CUDA_TIMED_STEPS} on a GPU, where --timing-budget bounds them)")
+    run.add_argument("--timing-budget", type=_positive_float, default=None, metavar="SECONDS",
+                     help="stop timing a trial's steps after this many seconds of them (at least 3 steps), even if "
+                          f"--timing-ci is not met (default: none on CPU, {CUDA_TIMING_BUDGET_S:g} on a GPU)")
     run.add_argument("--timing-ci", type=_fraction, default=0.02, metavar="FRACTION",
                      help="stop timing a trial, after at least 3 steps, once its median step time is known to within "
                           "this fraction at 95%% confidence; 0 always runs every timed step (default: 0.02)")

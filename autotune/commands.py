@@ -51,8 +51,10 @@ def choose_launcher(asked: str, nnodes: int) -> str:
     return "slurm" if nnodes > 1 and slurm_allocation() is not None else "local"
 
 
-def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """Check every flag of ``autotune run`` (the host probe included) and return (settings, host, model)."""
+def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any, Any]:
+    """Check every flag of ``autotune run`` (the host probe included, forked from
+    ``forks`` when it is ready) and return (settings, host, model)."""
+    from autotune.config import timing_defaults
     from autotune.launch.host import probe
     from autotune.presets import choose_seq_len, parse_model_spec
     from autotune.study import RunSettings, check_resumable, default_study_name
@@ -64,8 +66,9 @@ def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     spec = parse_model_spec(args.model)
     space = load_space(args.space)
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
-    host, model = probe(args.model, tuple(args.wrap_class))
+    host, model = probe(args.model, tuple(args.wrap_class), nproc=args.nproc, forks=forks)
     nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
+    timed_steps, timing_budget = timing_defaults(host.device_type)
     launcher = choose_launcher(args.launcher, args.nnodes)
     if launcher == "local":
         # Simulated nodes share this host's devices.
@@ -81,13 +84,14 @@ def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if args.global_batch_size is not None:
         space = space.for_global_batch(args.global_batch_size, nproc * args.nnodes)
     settings = RunSettings(
-        model=args.model if spec.kind != "config_file" else spec.value, model_label=spec.label, nproc=nproc,
+        model=_model_argument(spec, args.model), model_label=spec.label, nproc=nproc,
         seq_len=seq_len, budget_bytes=budget, budget_text=budget_text, space=space, trials=args.trials,
         trial_timeout_s=args.trial_timeout,
         study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size,
                                                          args.nnodes),
-        storage_url=args.storage, seed=args.seed, warmup_steps=args.warmup_steps, timed_steps=args.timed_steps,
-        timing_ci=args.timing_ci, quiet=args.quiet, device_type=host.device_type, slots=slots,
+        storage_url=args.storage, seed=args.seed, warmup_steps=args.warmup_steps,
+        timed_steps=args.timed_steps or timed_steps, timing_ci=args.timing_ci,
+        timing_budget_s=args.timing_budget or timing_budget, quiet=args.quiet, device_type=host.device_type, slots=slots,
         use_estimate=not args.no_estimate, confirm=args.confirm, search=args.sampler,
         global_batch_size=args.global_batch_size, nnodes=args.nnodes, launcher=launcher,
     )
@@ -101,19 +105,45 @@ def run_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from autotune.launch.forkserver import ForkServer
+    from autotune.presets import parse_model_spec
+    from autotune.study.space import load_space
+    from autotune.study.storage import check_storage_url
+    from autotune.units import parse_memory
+
+    # The checks that need nothing imported come before anything starts.
+    parse_memory(args.mem_budget)
+    spec = parse_model_spec(args.model)
+    load_space(args.space)
+    check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
+    # Then the fork server, so that its imports overlap everything else: the
+    # probe, the memory estimates and every trial's processes are forked from it.
+    forks = ForkServer(model=_model_argument(spec, args.model))
+    try:
+        return _run(args, forks)
+    finally:
+        forks.close()
+
+
+def _model_argument(spec: Any, given: str) -> str:
+    """What the worker is given for ``--model``: a config file by its absolute path, else as typed."""
+    return spec.value if spec.kind == "config_file" else given
+
+
+def _run(args: argparse.Namespace, forks: Any) -> int:
     from autotune.outputs.dashboard import update_study_note
     from autotune.outputs.summary import summarize
     from autotune.study import run_study
     from autotune.study.storage import mask_url, prepare_storage
 
-    settings, host, model = run_settings(args)
+    settings, host, model = run_settings(args, forks)
     prepare_storage(settings.storage_url)
     if not args.quiet:
         print(f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "
               f"on {settings.nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {settings.seq_len}, "
               f"budget {settings.budget_text} per rank; study {settings.study_name} in {mask_url(settings.storage_url)}",
               file=sys.stderr)
-    run = run_study(settings, host, model, on_trial_complete=update_study_note)
+    run = run_study(settings, host, model, forks=forks, on_trial_complete=update_study_note)
     if run.interrupted is not None:
         print(f"Interrupted by {run.interrupted.name}: the trial in progress was stopped and queued to run again; "
               "rerun the same command to resume. The study so far:")
@@ -128,6 +158,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autotune.launch.host import probe
     from autotune.outputs.estimates import estimate_rows, estimates_json, estimates_table
     from autotune.presets import choose_seq_len, parse_model_spec
+    from autotune.study.equivalence import Topology
     from autotune.study.margin import default_margin
     from autotune.study.space import load_space
     from autotune.units import format_bytes, parse_memory
@@ -141,7 +172,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note:
         print(f"autotune estimate: {seq_note}", file=sys.stderr)
-    configs = [c for c in space.enumerate(model.layer_classes) if not (c.is_hybrid and args.nnodes < 2)]
+    topology = Topology(args.nproc, args.nnodes, model.num_params, model.num_layers)
+    # Each class once; hybrid groups that do not divide the ranks cannot be formed.
+    configs = [c for c in space.enumerate(model.layer_classes, topology)
+               if not (c.is_hybrid and c.shard_group_size and args.nproc % c.shard_group_size)]
     limit = args.limit or (len(configs) if len(configs) <= 64 else 64)
     if limit < len(configs):
         configs = random.Random(args.seed).sample(configs, limit)

@@ -41,7 +41,7 @@ from autotune.launch.host import host_incompatibility, probe
 from autotune.launch.launcher import launch_trial
 from autotune.config import SEARCH_FIELDS
 from autotune.stats import mean_ci95
-from autotune.study.baseline import baseline_config
+from autotune.study.baseline import standard_recipe
 from autotune.study.space import load_space
 
 HERE = Path(__file__).resolve().parent
@@ -154,7 +154,7 @@ def main() -> int:
     configs = space.enumerate(model.layer_classes)
     # The tuner's first trial is enqueued, not drawn, and may lie outside the
     # space: measured too, so a replay finds it (its row says so).
-    baseline = baseline_config(host, model.layer_classes, space)
+    baseline = standard_recipe(host, model.layer_classes, space)
     extra = {baseline.key(): "baseline: enqueued first by autotune run, outside the space"} if baseline not in configs else {}
     configs += [baseline] if extra else []
     forks = ForkServer()

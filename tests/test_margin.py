@@ -1,20 +1,33 @@
 """The device margin on a predicted peak, and its calibration on measured trials."""
 
-from autotune.study.margin import Margin, calibrated_margin
+from autotune.study.margin import CUDA_MARGIN_FACTOR, CUDA_OUTSIDE_BYTES, Margin, Sample, calibrated_margin
+
+GIB = 2**30
 
 
-def test_calibration_uses_the_worst_measured_ratio_and_keeps_the_fixed_term():
-    from autotune.study.margin import CUDA_MARGIN_BYTES
+def test_on_cuda_the_margin_is_the_estimates_error_and_what_lies_outside_the_allocator():
+    default = calibrated_margin([Sample(100, 100)], "cuda")
+    assert (default.factor, default.fixed_bytes) == (CUDA_MARGIN_FACTOR, CUDA_OUTSIDE_BYTES)
+    # One trial is enough to know what lies outside the allocator here: the fixed term is measured, not assumed.
+    one = calibrated_margin([Sample(30 * GIB, 30 * GIB, outside=int(1.3 * GIB))], "cuda")
+    assert one.fixed_bytes == int(1.3 * GIB) and one.factor == CUDA_MARGIN_FACTOR and "measured" in one.source
+    # Three trials calibrate the factor on allocated/predicted: fragmentation (reserved) is not in it.
+    samples = [Sample(m * GIB, 100 * GIB, "fake_tensor_step", outside=int(1.4 * GIB)) for m in (101, 99, 100.5)]
+    margin = calibrated_margin(samples, "cuda")
+    assert margin == Margin(1.01, int(1.4 * GIB), margin.source, {"exact": 0.99}) and "3 trials" in margin.source
+    # The calibrated margin predicts every calibrating trial's device need (allocated + outside), or more.
+    assert all(margin.apply(s.predicted) >= s.measured + s.outside for s in samples)
 
-    assert calibrated_margin([(100, 100)], "cuda").source == "default CUDA margin"
-    gib = 2**30
-    pairs = [(CUDA_MARGIN_BYTES + m * gib, 100 * gib) for m in (105, 99, 110)]
-    margin = calibrated_margin(pairs, "cuda")
-    assert margin == Margin(1.1, CUDA_MARGIN_BYTES, margin.source, {"exact": 0.99}) and "3 trials" in margin.source
-    # The calibrated margin predicts every calibrating trial's measured peak, or more.
-    assert all(margin.apply(p) >= m for m, p in pairs)
-    assert calibrated_margin([(105, 100), (99, 100), (110, 100)], "cpu").factor == 1.1
-    assert calibrated_margin([(90, 100)] * 3, "cpu").factor == 1.0
+
+def test_a_trial_out_of_memory_under_its_cap_raises_the_factor_to_what_it_needed_at_least():
+    fitted = [Sample(100, 100)] * 2
+    out_of_memory = Sample(131, 100)  # the cap it could not stay under, against what was predicted
+    assert calibrated_margin([*fitted, out_of_memory], "cpu").factor == 1.31
+
+
+def test_cpu_calibration_uses_the_worst_measured_ratio():
+    assert calibrated_margin([Sample(105, 100), Sample(99, 100), Sample(110, 100)], "cpu").factor == 1.1
+    assert calibrated_margin([Sample(90, 100)] * 3, "cpu").factor == 1.0
 
 
 def test_a_prediction_near_the_budget_keeps_a_chance_and_one_far_over_has_none():
@@ -26,13 +39,15 @@ def test_a_prediction_near_the_budget_keeps_a_chance_and_one_far_over_has_none()
     assert 0.6 < fit_chance(cpu, 1014, 1000) < 0.7
     exact, derived = 1 - ESTIMATE_SLACK["exact"], 1 - ESTIMATE_SLACK["derived"]
     assert fit_chance(cpu, 1000, int(1000 * exact) - 1) == 0.0
-    # A figure derived rather than run keeps a wider low side.
+    # A figure derived rather than run keeps a wider low side; an interpolated one a little wider than exact.
     method = "fake_tensor_step+derived(fsdp1_shard_grad_op)"
     assert fit_chance(cpu, 1000, int(1000 * exact) - 1, method) > 0.0
     assert fit_chance(cpu, 1000, int(1000 * derived) - 1, method) == 0.0
+    assert fit_chance(cpu, 1000, int(1000 * exact) - 1, "fake_tensor_step+interpolated(1,8)") > 0.0
     # Calibration widens the low side to what it saw, by method, never narrows it below the known slack.
-    measured = calibrated_margin([(80, 100, "fake_tensor_step"), (100, 100, method), (109, 100, "fake_tensor_step")], "cpu")
+    measured = calibrated_margin([Sample(80, 100, "fake_tensor_step"), Sample(100, 100, method),
+                                  Sample(109, 100, "fake_tensor_step")], "cpu")
     assert measured.factor == 1.09 and measured.low_factor("fake_tensor_step") == 0.8
     assert measured.low_factor(method) == derived
-    assert calibrated_margin([(99, 100)] * 3, "cpu").low_factor() == exact
+    assert calibrated_margin([Sample(99, 100)] * 3, "cpu").low_factor() == exact
     assert measured.lowest(100, "fake_tensor_step") <= 80 <= 109 <= measured.apply(100)

@@ -16,7 +16,7 @@ from autotune.config import FsdpConfig, RankMemory, TrialResult
 from autotune.launch.host import HostInfo, ModelInfo
 from autotune.launch.launcher import LaunchOutcome
 from autotune.study import RunSettings, run_study
-from autotune.study.baseline import baseline_config
+from autotune.study.baseline import standard_recipe
 from autotune.study.claims import runner_identity
 from autotune.study.record import CONSTRAINT_KEY, Attr, StudyAttr
 from autotune.study.space import parse_space
@@ -78,6 +78,8 @@ def settings(tmp_path, space: str, budget: int = 100 * MiB, trials: int = 5, **c
 
 
 TWO = "fsdp_version: [1, 2]\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: 1\n"
+# A space of one configuration: the standard recipe itself (the first trial on HOST, where bf16 is fast).
+RECIPE = "fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: bf16\nactivation_checkpointing: full\nmicro_batch_size: 1\n"
 
 
 def run(tmp_path, space=TWO, answer=lambda cfg, req: ok(), estimator=None, storage=None, **kw):
@@ -109,7 +111,7 @@ def test_the_baseline_is_enqueued_once_across_runs(tmp_path):
     second, launch, _ = run(tmp_path, storage=storage)
     baselines = [t for t in second.study.trials if t.user_attrs.get(Attr.BASELINE)]
     assert len(baselines) == 1 and baselines[0].number == 0
-    assert baselines[0].user_attrs[Attr.CONFIG] == baseline_config(HOST, LAYER, settings(tmp_path, TWO).space).to_dict()
+    assert baselines[0].user_attrs[Attr.CONFIG] == standard_recipe(HOST, LAYER, settings(tmp_path, TWO).space).to_dict()
     assert launch.launched == []  # the space was measured in the first run
 
 
@@ -141,8 +143,7 @@ def test_a_timeout_fails_and_is_retried(tmp_path):
             return TrialResult(status="timeout", error="no result within --trial-timeout 30s")
         return ok()
 
-    space = "fsdp_version: 2\nsharding_strategy: SHARD_GRAD_OP\nmixed_precision: bf16\nmicro_batch_size: 1\n"
-    outcome, launch, _ = run(tmp_path, space=space, answer=answer)
+    outcome, launch, _ = run(tmp_path, space=RECIPE, answer=answer)
     (failed,) = by_state(outcome.study, TrialState.FAIL)
     assert failed.user_attrs[Attr.CAUSE] == "timeout"
     assert len(launch.launched) == 2 and launch.launched[0] == launch.launched[1]  # a timeout may not repeat
@@ -177,14 +178,16 @@ def test_configurations_predicted_over_budget_are_never_drawn_and_the_reason_is_
 
 
 def test_an_enqueued_configuration_predicted_over_budget_is_pruned_with_its_prediction(tmp_path):
-    # The baseline is queued, not drawn: the gate still stops it before launch.
+    # The baseline (the standard recipe, in bf16 here) is queued, not drawn: the gate still stops it.
     space = "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: fp32\nmicro_batch_size: 1\n"
-    estimator = ScriptedEstimator(lambda cfg: 50 * MiB if cfg.sharding_strategy == "FULL_SHARD" else 500 * MiB)
+    estimator = ScriptedEstimator(lambda cfg: 500 * MiB if "NO_SHARD" in cfg.sharding_strategy or cfg.mixed_precision == "bf16"
+                                  else 50 * MiB)
     outcome, launch, _ = run(tmp_path, space=space, estimator=estimator)
     baseline = outcome.study.trials[0]
-    assert baseline.state == TrialState.PRUNED and "predicted peak" in baseline.user_attrs[Attr.PRUNE_REASON]
+    assert baseline.user_attrs[Attr.BASELINE] and baseline.state == TrialState.PRUNED
+    assert "predicted peak" in baseline.user_attrs[Attr.PRUNE_REASON]
     assert baseline.constraints[CONSTRAINT_KEY] > 0 and baseline.user_attrs[Attr.PREDICTED_PEAK_BYTES] == 500 * MiB
-    assert all(cfg.sharding_strategy != "SHARD_GRAD_OP" for cfg in launch.launched)
+    assert launch.launched and all(cfg.mixed_precision == "fp32" for cfg in launch.launched)
     assert outcome.counts.predicted_over == 1
 
 
@@ -217,10 +220,10 @@ def test_a_configuration_measured_before_is_reused(tmp_path):
 
 
 def test_a_configuration_another_tuner_is_measuring_is_waited_for_and_reused(tmp_path):
-    space = "fsdp_version: 2\nsharding_strategy: SHARD_GRAD_OP\nmixed_precision: bf16\nmicro_batch_size: 1\n"
+    space = RECIPE
     storage = optuna.storages.InMemoryStorage()
     other = optuna.create_study(study_name="s", storage=storage, direction="maximize")
-    cfg = baseline_config(HOST, LAYER, settings(tmp_path, space).space)
+    cfg = standard_recipe(HOST, LAYER, settings(tmp_path, space).space)
     running = other.ask()
     for name, value in ((Attr.CONFIG, cfg.to_dict()), (Attr.CLAIMED, True), (Attr.RUNNER, runner_identity())):
         running.set_user_attr(name, value)
@@ -243,11 +246,11 @@ def test_a_configuration_another_tuner_is_measuring_is_waited_for_and_reused(tmp
 def test_a_running_trial_left_by_a_dead_tuner_is_failed_and_queued_again(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    space = "fsdp_version: 2\nsharding_strategy: SHARD_GRAD_OP\nmixed_precision: bf16\nmicro_batch_size: 1\n"
+    space = RECIPE
     storage = optuna.storages.InMemoryStorage()
     other = optuna.create_study(study_name="s", storage=storage, direction="maximize")
     stale = other.ask()
-    cfg = baseline_config(HOST, LAYER, settings(tmp_path, space).space)
+    cfg = standard_recipe(HOST, LAYER, settings(tmp_path, space).space)
     stale.set_user_attr(Attr.CONFIG, cfg.to_dict())
     stale.set_user_attr(Attr.RUNNER, {**runner_identity(), "pid": dead.pid})
     outcome, launch, _ = run(tmp_path, space=space, storage=storage)

@@ -8,7 +8,7 @@ import pytest
 
 from autotune.config import FsdpConfig, TrialResult
 from autotune.study import run_study
-from autotune.study.record import Attr, StudyAttr, is_confirmation, is_feasible, trial_config
+from autotune.study.record import Attr, Role, StudyAttr, is_confirmation, is_feasible, trial_config
 from autotune.study.margin import ESTIMATE_SLACK
 from autotune.study.search import frontier_configs
 from tests.test_objective import HOST, LAYER, MODEL, MiB, ScriptedEstimator, ScriptedLaunch, ok, settings
@@ -78,16 +78,21 @@ def test_the_run_stops_when_its_launches_are_done(tmp_path):
     assert len(launch.launched) == 6 and run.stop_reason == "launches"
 
 
-def test_the_first_launches_are_the_baseline_then_the_memory_frontier(tmp_path):
-    run, launch = search(tmp_path, budget_mib=70, trials=5)
-    baseline, *frontier = launch.launched[:4]
+def test_the_first_launches_are_the_standard_recipe_then_the_memory_frontier(tmp_path):
+    run, launch = search(tmp_path, budget_mib=70, trials=6)
+    recipe, *frontier = launch.launched[:5]
     assert run.study.trials[0].user_attrs[Attr.BASELINE]
-    # Least communication first, each at its largest micro batch that fits, bf16 (fast here), no recompute if possible.
-    assert [c.sharding_strategy for c in frontier] == ["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]
+    # The standard recipe: FSDP2 FULL_SHARD, layer wrap, bf16 (fast here), full checkpointing, the largest micro batch that fits.
+    assert (recipe.fsdp_version, recipe.sharding_strategy, recipe.mixed_precision, recipe.activation_checkpointing,
+            recipe.micro_batch_size) == (2, "FULL_SHARD", "bf16", "full", 4)
+    # Then the least communicating strategy, spanning checkpointing x micro batch (none and full in this space),
+    # then every other strategy once, each at the largest micro batch that fits.
+    assert [(c.sharding_strategy, c.activation_checkpointing) for c in frontier] == [
+        ("NO_SHARD", "none"), ("NO_SHARD", "full"), ("SHARD_GRAD_OP", "none"), ("FULL_SHARD", "none")]
     for cfg in frontier:
         assert cfg.mixed_precision == "bf16" and cfg.fsdp_version == 2 and peak(cfg) <= 70 * MiB
         bigger = cfg.replace(micro_batch_size=cfg.micro_batch_size * 2)
-        assert cfg.micro_batch_size == 4 or peak(bigger) > 70 * MiB or cfg.activation_checkpointing == "full"
+        assert cfg.micro_batch_size == 4 or peak(bigger) > 70 * MiB
 
 
 def test_frontier_falls_back_to_checkpointing_only_when_nothing_fits_without():
@@ -171,12 +176,12 @@ def test_the_prior_follows_what_the_probe_measured_of_each_precision():
 def test_fp16_on_a_host_that_runs_it_slowly_is_not_where_the_search_starts(tmp_path):
     import dataclasses
 
-    from autotune.study.search import ModelSearch, precision_effects
+    from autotune.study.search import ModelSearch, host_priors
 
     space = settings(tmp_path, "mixed_precision: [fp32, bf16, fp16]\nsharding_strategy: [FULL_SHARD, NO_SHARD]\n"
                                "micro_batch_size: [1, 2]\n").space
     host = dataclasses.replace(HOST, bf16_speedup=7.3, fp16_speedup=0.06)
-    search = ModelSearch(space.enumerate(LAYER), LAYER, lambda cfg: (1.0, None), precision_effects(host))
+    search = ModelSearch(space.enumerate(LAYER), LAYER, lambda cfg: (1.0, None), host_priors(host, 32, (1, 2)))
     assert [c.mixed_precision for c in search.frontier()] == ["bf16", "bf16"]
     study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
     assert search.propose(study).mixed_precision == "bf16"
@@ -185,15 +190,16 @@ def test_fp16_on_a_host_that_runs_it_slowly_is_not_where_the_search_starts(tmp_p
 def test_a_finalist_that_is_a_reference_serves_as_it_and_runs_once(tmp_path, capsys):
     from autotune.outputs.summary import summarize
 
-    # The recommended configuration (FSDP2 SHARD_GRAD_OP, layer wrap, bf16) is the fastest here.
-    small = "fsdp_version: 2\nsharding_strategy: [SHARD_GRAD_OP, FULL_SHARD]\nmixed_precision: bf16\nmicro_batch_size: [1, 2]\n"
+    # The standard recipe (FSDP2 FULL_SHARD, layer wrap, bf16, full checkpointing, largest micro batch) is the fastest here.
+    small = ("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: [bf16, fp32]\n"
+             "activation_checkpointing: full\nmicro_batch_size: [1, 2]\n")
     run, _ = search(tmp_path, budget_mib=500, trials=10, noise=0.0, confirm=2, space=small)
     verdict = run.verdict
-    assert verdict["winner"]["config"]["sharding_strategy"] == "SHARD_GRAD_OP"
-    assert verdict["references"]["recommended"]["config"] == verdict["winner"]["config"]
+    assert verdict["winner"]["config"]["mixed_precision"] == "bf16" and verdict["winner"]["config"]["micro_batch_size"] == 2
+    assert verdict["references"][Role.STANDARD_RECIPE]["config"] == verdict["winner"]["config"]
     roles = [t.user_attrs[Attr.CONFIRMATION_ROLE] for t in run.study.trials if is_confirmation(t)]
-    assert "recommended" not in roles, "the recommended configuration ran twice in a round"
+    assert Role.STANDARD_RECIPE not in roles, "the standard recipe ran twice in a round"
     # The summary reads the verdict back from storage (copies, not the same objects).
     assert summarize(run, settings(tmp_path, small, budget=500 * MiB, confirm=2)) == 0
     out = capsys.readouterr().out
-    assert "The winner is the recommended configuration" in out and "winner (= recommended)" in out
+    assert "The winner is the standard recipe" in out and "winner (= standard_recipe)" in out

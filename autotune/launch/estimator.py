@@ -1,9 +1,13 @@
-"""The memory estimator's process: ``python -m autotune.worker.estimate --serve``, held by the driver.
+"""The memory estimator's processes: each estimate forked from the fork server, or one long-lived server of its own.
 
 The prediction comes from the worker side (a fake training step; see
-:mod:`autotune.worker.estimate`), run as one long-lived subprocess so the
-driver never imports torch and pays the imports once. The device margin on
-top of it is :mod:`autotune.study.margin`.
+:mod:`autotune.worker.estimate`), run out of the driver so that it never
+imports torch. With a ready fork server (:mod:`autotune.launch.forkserver`)
+every estimate is a process forked from it: no imports to pay, several at
+once where the host has cores to spare, each on the cores it is given.
+Without one, ``python -m autotune.worker.estimate --serve`` pays the imports
+once and answers one estimate at a time. The device margin on top of it is
+:mod:`autotune.study.margin`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 from autotune import interrupts
 from autotune.config import FsdpConfig
+from autotune.launch.forkserver import ForkServer, run_forked
 from autotune.launch.lifeline import die_with_parent
 
 # How often a waiting estimate looks for a stop request from another thread.
@@ -30,7 +35,7 @@ class EstimatorClient:
     """A long-lived ``python -m autotune.worker.estimate --serve``; thread-safe."""
 
     def __init__(self, model: str, world_size: int, nnodes: int, seq_len: int, timeout_s: float = 600,
-                 global_batch_size: int | None = None, exact: bool = False) -> None:
+                 global_batch_size: int | None = None, exact: bool = False, forks: ForkServer | None = None) -> None:
         # With a global batch, each configuration is estimated with the
         # gradient accumulation its micro batch needs. ``exact`` runs every
         # block of a deep model instead of extrapolating from two shallow copies.
@@ -41,6 +46,7 @@ class EstimatorClient:
         self.timeout_s = timeout_s
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self.forks = forks
 
     def _ensure(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
@@ -51,8 +57,18 @@ class EstimatorClient:
             )
         return self._proc
 
-    def estimate(self, cfg: FsdpConfig) -> dict[str, Any]:
-        """``{"peak_bytes", "breakdown", "method", "seconds"}`` or ``{"error"}``."""
+    def estimate(self, cfg: FsdpConfig, cores: tuple[int, ...] | None = None) -> dict[str, Any]:
+        """``{"peak_bytes", "breakdown", "method", "seconds"}`` or ``{"error"}``; ``cores``:
+        where to run it (forked estimates only; several may run at once)."""
+        request = json.dumps({**self.request, "fsdp": cfg.to_dict()})
+        try:
+            done = run_forked(self.forks, "autotune.worker.estimate:main", [request], self.timeout_s, affinity=cores)
+        except TimeoutError:
+            return {"error": f"no estimate within {self.timeout_s:.0f}s; abandoned"}
+        if done is not None:
+            code, output = done
+            answer = next((line for line in reversed(output.splitlines()) if line.startswith("{")), None)
+            return json.loads(answer) if answer else {"error": f"the estimating process exited {code}: {output[-300:]}"}
         with self._lock:
             proc = self._ensure()
             try:

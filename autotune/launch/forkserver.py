@@ -160,13 +160,15 @@ def spawn(
 class ForkServer:
     """The driver's handle on ``python -m autotune.worker.preload``.
 
-    Started early (its imports overlap the driver's own start-up); ``ready()``
-    waits for it. A server that fails to start is reported once and the tuner
+    Started first (its imports overlap the driver's own start-up); ``ready()``
+    waits for it. The host probe, every memory estimate and every trial's
+    processes are forked from it, so a run imports torch and transformers once. A server that fails to start is reported once and the tuner
     carries on with fresh interpreters, so this is a speed-up, never a
     dependency.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model: str | None = None) -> None:
+        # ``model``: whose code the server imports too (a preset, config.json or module:function).
         self._dir = tempfile.mkdtemp(prefix="autotune-fork-")
         self.socket_path = os.path.join(self._dir, "sock")
         self.error: str | None = None
@@ -178,7 +180,7 @@ class ForkServer:
             self._ready, self.error = False, f"{DISABLE_VAR} is set"
             return
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "autotune.worker.preload", self.socket_path],
+            [sys.executable, "-m", "autotune.worker.preload", self.socket_path, *([model] if model else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent, start_new_session=True,
         )  # fmt: skip
@@ -210,12 +212,17 @@ class ForkServer:
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
-            try:
-                self._proc.stdin.close()
-                self._proc.wait(timeout=5)
-            except (subprocess.TimeoutExpired, OSError):
+            if not self._ready:
+                # Still importing (or failed): it has nothing to finish.
                 self._proc.kill()
                 self._proc.wait()
+            else:
+                try:
+                    self._proc.stdin.close()
+                    self._proc.wait(timeout=5)
+                except (subprocess.TimeoutExpired, OSError):
+                    self._proc.kill()
+                    self._proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -323,3 +330,41 @@ def _become(request: dict[str, Any], out_fd: int) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def run_forked(forks: ForkServer | None, target: str, argv: Sequence[str], timeout_s: float,
+               affinity: Sequence[int] | None = None) -> tuple[int, str] | None:
+    """Run ``target`` forked from ``forks`` and collect its output; (exit code, output),
+    or None when no server answers (the caller starts a fresh interpreter instead).
+    Past ``timeout_s`` the process is killed and TimeoutError raised."""
+    from autotune import interrupts
+
+    if forks is None or not forks.ready():
+        return None
+    read_fd, write_fd = os.pipe()
+    try:
+        process = spawn(forks.socket_path, target, argv, stdout_fd=write_fd, affinity=affinity, new_session=True)
+    except OSError:
+        os.close(read_fd)
+        return None
+    finally:
+        os.close(write_fd)
+    chunks, deadline = [], time.monotonic() + timeout_s
+    try:
+        while True:
+            interrupts.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{target} gave no answer within {timeout_s:.0f}s")
+            ready, _, _ = select.select([read_fd], [], [], min(0.25, left))
+            if ready:
+                chunk = os.read(read_fd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        return process.wait(), b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(read_fd)
+        if process.returncode is None:
+            process.kill()
+            process.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any
 
 from autotune.config import FsdpConfig
 from autotune.errors import UsageError
+from autotune.launch.forkserver import ForkServer, run_forked
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,8 @@ class ModelInfo:
     class_name: str
     # The longest sequence the model's position embeddings cover; None when it declares none.
     max_positions: int | None = None
+    # The width of its residual stream (for the probe's saturation curve); None when unknown.
+    hidden_size: int | None = None
 
 
 BF16_FAST_CAPABILITY = (8, 0)
@@ -49,6 +53,9 @@ class HostInfo:
     # Triton on CUDA ones), and why not.
     compile_supported: bool = True
     compile_note: str | None = None
+    # Tokens per step -> the device's speed on a block's matmul relative to its
+    # best (see autotune.worker.probe.saturation_curve); None when not measured.
+    saturation: dict[int, float] | None = None
 
     @property
     def device_count(self) -> int:
@@ -76,27 +83,53 @@ class HostInfo:
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def efficiency(self, tokens: int) -> float:
+        """The device's speed at ``tokens`` per step relative to its best, from the
+        probe's curve (interpolated in log tokens; 1.0 when not measured)."""
+        if not self.saturation:
+            return 1.0
+        points = sorted(self.saturation.items())
+        if tokens <= points[0][0]:
+            return points[0][1]
+        for (t0, e0), (t1, e1) in zip(points, points[1:]):
+            if tokens <= t1:
+                w = math.log(tokens / t0) / math.log(t1 / t0)
+                return e0 + w * (e1 - e0)
+        return points[-1][1]
 
-def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300) -> tuple[HostInfo, ModelInfo]:
-    """Run ``python -m autotune.worker.probe``; a model it cannot build is a UsageError."""
-    cmd = [sys.executable, "-m", "autotune.worker.probe", "--model", model]
+
+def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, nproc: int | None = None,
+          forks: ForkServer | None = None) -> tuple[HostInfo, ModelInfo]:
+    """Run ``autotune.worker.probe`` (forked from ``forks`` when it is ready, else
+    a fresh interpreter); a model it cannot build is a UsageError. ``nproc``:
+    the ranks per node a trial will run, whose share of the cores the
+    saturation curve is measured on."""
+    argv = ["--model", model, *(["--nproc", str(nproc)] if nproc else [])]
     for name in wrap_class:
-        cmd += ["--wrap-class", name]
+        argv += ["--wrap-class", name]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+        done = run_forked(forks, "autotune.worker.probe:main", argv, timeout_s)
+        if done is None:
+            fresh = subprocess.run([sys.executable, "-m", "autotune.worker.probe", *argv], capture_output=True, text=True,
+                                   timeout=timeout_s)
+            done = fresh.returncode, fresh.stdout + fresh.stderr
+    except (subprocess.TimeoutExpired, TimeoutError):
         raise UsageError(f"--model {model}: building it on the meta device took over {timeout_s:.0f}s") from None
+    code, output = done
+    answer = next((line for line in reversed(output.strip().splitlines()) if line.startswith("{")), None)
     try:
-        data = json.loads(done.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
-        raise RuntimeError(f"the host probe failed (exit {done.returncode}): {tail}") from None
+        data = json.loads(answer)
+    except (TypeError, json.JSONDecodeError):
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        raise RuntimeError(f"the host probe failed (exit {code}): {tail}") from None
     if "error" in data:
         raise UsageError(f"--model {model}: {data['error']}")
     model_data = data["model"]
     host = data["host"]
     if host.get("cuda_capability") is not None:
         host["cuda_capability"] = tuple(host["cuda_capability"])
+    if host.get("saturation") is not None:
+        host["saturation"] = {int(k): float(v) for k, v in host["saturation"].items()}
     return HostInfo(**host), ModelInfo(
         num_params=model_data["num_params"],
         layer_classes=tuple(model_data["layer_classes"]),
@@ -104,6 +137,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300) 
         vocab_size=model_data["vocab_size"],
         class_name=model_data["class_name"],
         max_positions=model_data.get("max_positions"),
+        hidden_size=model_data.get("hidden_size"),
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from autotune import interrupts
-from autotune.config import TrialRequest, TrialResult, write_json_atomic
+from autotune.config import RankMemory, TrialRequest, TrialResult, write_json_atomic
 from autotune.launch.devices import CUDA_MASK, cpu_cores, physical_ids
 from autotune.launch.forkserver import ForkedProcess, ForkServer, spawn
 from autotune.launch.lifeline import die_with_parent
@@ -235,12 +235,17 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
     failures.sort(key=lambda f: f.get("time", float("inf")))
     oom = next((f for f in failures if f.get("status") == "oom"), None)
     if oom is not None:
+        # The figure it reached: on CUDA, its allocator's peaks and what lay outside it.
+        memory = RankMemory(rank=oom.get("rank", 0), peak_allocated=oom.get("peak_allocated"),
+                            peak_reserved=oom.get("peak_reserved"), outside_allocator=oom.get("outside_allocator"))
         return TrialResult(
             status="oom",
             error=oom.get("error"),
             failed_rank=oom.get("rank"),
             exit_code=exit_code,
-            peak_memory_bytes=oom.get("peak_reserved"),
+            peak_memory_bytes=memory.peak or None,
+            rank_memory=[memory] if memory.peak else [],
+            memory_cap_bytes=oom.get("cap_bytes"),
         )
     result_path = trial_dir / "result.json"
     if exit_code == 0 and result_path.exists():

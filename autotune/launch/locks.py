@@ -91,11 +91,32 @@ def device_slot(
 @contextmanager
 def exclusive(path: Path) -> Iterator[None]:
     """A blocking lock on ``path``: a critical section across processes of this host."""
+    with _flock(path, fcntl.LOCK_EX):
+        yield
+
+
+@contextmanager
+def shared(path: Path) -> Iterator[None]:
+    """A blocking shared lock on ``path``: many holders at once, none while anyone holds it exclusively."""
+    with _flock(path, fcntl.LOCK_SH):
+        yield
+
+
+@contextmanager
+def _flock(path: Path, how: int) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, how)
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def quiet_lock_path() -> Path:
+    """This tuner's timing lock. Trials time their steps holding it shared (trials
+    of several device slots time at once); the tuner runs a background memory
+    estimate on cores its trials use only holding it exclusively, so no step is
+    ever timed while an estimate competes for its cores."""
+    return lock_dir() / f"{socket.gethostname()}-quiet-{os.getpid()}.lock"

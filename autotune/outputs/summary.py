@@ -11,7 +11,7 @@ from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
 from autotune.study.identity import RunSettings
 from autotune.study.record import (
-    Attr, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, verdict_entries, winner,
+    Attr, Role, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, verdict_entries, winner,
 )  # fmt: skip
 from autotune.study.runner import RunOutcome
 from autotune.study.storage import study_dir
@@ -26,8 +26,9 @@ STOP_REASONS = {
     "same crash": "every launch crashed with the same error",
     "idle draws": "the sampler kept drawing configurations already measured or ruled out",
 }
-ROLE_NAMES = {"recommended": "the recommended configuration (FSDP2 SHARD_GRAD_OP, one unit per layer, bf16 where fast)",
-              "pytorch_defaults": "PyTorch's FSDP defaults (FSDP1 FULL_SHARD, no auto wrap, fp32)"}
+ROLE_NAMES = {Role.STANDARD_RECIPE: "the standard recipe (FSDP2 FULL_SHARD, one unit per layer, bf16 where fast, full "
+                                   "checkpointing, the largest micro batch predicted to fit)",
+              Role.PYTORCH_DEFAULTS: "PyTorch's FSDP defaults (FSDP1 FULL_SHARD, no auto wrap, fp32)"}
 
 
 def summarize(run: RunOutcome, settings: RunSettings) -> int:
@@ -43,7 +44,10 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
     )
     excluded = study.user_attrs.get(StudyAttr.EXCLUDED, {}).get("count", 0)
     if settings.use_estimate:
-        print(f"The memory estimate ruled out {excluded + counts.predicted_over} configurations before launch.")
+        plan = run.plan
+        print(f"The memory estimate ruled out {excluded + counts.predicted_over} configurations before launch"
+              + (f", from {plan.fake_steps} fake steps ({plan.fake_step_s:.0f}s of work, {plan.estimate_wait_s:.0f}s of "
+                 f"it waited for) and the memory order of {plan.judged_free} more" if plan.fake_steps else "") + ".")
     if run.stop_reason in STOP_REASONS:
         print(f"The search stopped because {STOP_REASONS[run.stop_reason]}.")
     best = winner(study)
@@ -97,14 +101,13 @@ def print_verdict(verdict: dict, settings: RunSettings) -> None:
         print(f"  Tie{cheaper}: {tie['label']}: {tie['mean']:,.0f} tokens/s, peak {format_bytes(tie['peak_memory_bytes'] or 0)} "
               f"({_ratio_text(tie['ratio_to_winner'])} of the winner: not told apart in {tie['rounds']} rounds)")
     batch = w["config"]["micro_batch_size"]
-    for role in ("recommended", "pytorch_defaults"):
+    for role in (Role.STANDARD_RECIPE, Role.PYTORCH_DEFAULTS):
         ref = verdict["references"].get(role)
         if ref is None:
-            print(f"  vs {ROLE_NAMES[role]} at micro batch {batch}: not measured (it cannot run, or is predicted "
-                  "not to fit, here)")
+            print(f"  vs {ROLE_NAMES[role]}: not measured (it cannot run, or is predicted not to fit, here)")
             continue
         if ref["config"] == w["config"]:
-            print(f"  The winner is {ROLE_NAMES[role]} at micro batch {batch}: 1.00x")
+            print(f"  The winner is {ROLE_NAMES[role]} (micro batch {batch}): 1.00x")
             continue
         print(f"  Against {ROLE_NAMES[role]} at micro batch {ref['config']['micro_batch_size']}: "
               f"{_speedup_text(ref['ratio_to_winner'])}, measured in the same rounds")

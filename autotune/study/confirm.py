@@ -5,9 +5,9 @@ top configurations are often closer than one trial's noise. So after the
 search, the finalists (the search's best and those within its noise, at most
 :data:`MAX_FINALISTS`) run again as fresh torchrun trials, round after round
 (A B C A B C ...), so that drift hits them all alike. Two references run in
-every round too, at the leading finalist's micro batch: the recommended
-configuration and PyTorch's FSDP defaults, so the headline speed-up is a
-same-run, same-batch comparison.
+every round too: the standard recipe (the study's first trial: what users
+write by hand) and PyTorch's FSDP defaults at each finalist's micro batch, so
+the headline speed-ups are same-run comparisons.
 
 The winner is the highest mean over the rounds. A finalist is a tie when the
 95% confidence interval of its per-round ratio to the winner holds 1. Every
@@ -30,8 +30,9 @@ from optuna.trial import TrialState
 from autotune.config import FsdpConfig
 from autotune.launch.host import HostInfo, host_incompatibility
 from autotune.stats import mean_ci95
-from autotune.study.baseline import as_params, baseline_config
-from autotune.study.record import Attr, StudyAttr, is_confirmation, is_feasible, search_trials, trial_config
+from autotune.study.baseline import as_params, standard_recipe
+from autotune.study.equivalence import Topology, canonical
+from autotune.study.record import Attr, Role, StudyAttr, is_confirmation, is_feasible, search_trials, trial_config
 from autotune.study.space import SearchSpace
 
 MAX_FINALISTS = 4
@@ -39,9 +40,6 @@ MAX_FINALISTS = 4
 # two trials' own confidence intervals do not overlap: trials of one
 # configuration differ by more than their steps do (benchmarks/noise.py).
 TRIAL_NOISE = 0.05
-
-ROLES = ("finalist", "recommended", "pytorch_defaults")
-
 
 def pytorch_defaults(layer_classes: tuple[str, ...], micro_batch_size: int) -> FsdpConfig:
     """``FullyShardedDataParallel(model)`` as it comes: FULL_SHARD, one unit, fp32."""
@@ -76,30 +74,34 @@ class Entry:
     """One configuration of the round and the part it plays."""
 
     cfg: FsdpConfig
-    role: str
+    role: Role
     search_trial: int | None = None
     # The references a finalist also is (it runs once, and serves as both).
-    also: tuple[str, ...] = ()
+    also: tuple[Role, ...] = ()
 
 
 def round_entries(study: optuna.Study, host: HostInfo, space: SearchSpace, layer_classes: tuple[str, ...],
-                  nnodes: int, fits) -> list[Entry]:
-    """The finalists, then the references at each finalist's micro batch, so that
-    whichever wins is compared at its own batch (a reference runs only when it
-    can run here and is predicted to fit; one that is a finalist is not run twice)."""
+                  nnodes: int, fits, topology: Topology) -> list[Entry]:
+    """The finalists, then the references: the standard recipe as the study's
+    first trial ran it, and PyTorch's defaults at each finalist's micro batch, so
+    that whichever wins is compared at its own batch (a reference runs only when
+    it can run here and is predicted to fit; one that is a finalist is not run twice)."""
     finalists = choose_finalists(study)
     if not finalists:
         return []
-    entries = [Entry(trial_config(t), "finalist", t.number) for t in finalists]
-    recommended = baseline_config(host, layer_classes, space)
+    entries = [Entry(trial_config(t), Role.FINALIST, t.number) for t in finalists]
+    first = next((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(Attr.BASELINE) and trial_config(t)), None)
+    recipe = trial_config(first) if first is not None else standard_recipe(host, layer_classes, space)
+    references = [(Role.STANDARD_RECIPE, canonical(recipe, topology))]
     for batch in dict.fromkeys(e.cfg.micro_batch_size for e in entries[:len(finalists)]):
-        for role, cfg in (("recommended", recommended.replace(micro_batch_size=batch)),
-                          ("pytorch_defaults", pytorch_defaults(layer_classes, batch))):
-            same = next((i for i, e in enumerate(entries) if e.cfg.key() == cfg.key()), None)
-            if same is not None:
+        references.append((Role.PYTORCH_DEFAULTS, canonical(pytorch_defaults(layer_classes, batch), topology)))
+    for role, cfg in references:
+        same = next((i for i, e in enumerate(entries) if e.cfg.key() == cfg.key()), None)
+        if same is not None:
+            if role not in entries[same].also and role != entries[same].role:
                 entries[same] = dataclasses.replace(entries[same], also=entries[same].also + (role,))
-            elif host_incompatibility(cfg, host, nnodes) is None and fits(cfg) is None:
-                entries.append(Entry(cfg, role))
+        elif host_incompatibility(cfg, host, nnodes) is None and fits(cfg) is None:
+            entries.append(Entry(cfg, role))
     return entries
 
 
@@ -127,7 +129,7 @@ def enqueue_rounds(study: optuna.Study, entries: list[Entry], rounds: int) -> in
     for r in range(1, rounds + 1):
         for e in entries:
             if r not in held[e.cfg.key()]:
-                study.enqueue_trial(as_params(e.cfg), user_attrs={Attr.CONFIRMATION_ROUND: r, Attr.CONFIRMATION_ROLE: e.role})
+                study.enqueue_trial(as_params(e.cfg), user_attrs={Attr.CONFIRMATION_ROUND: r, Attr.CONFIRMATION_ROLE: e.role.value})
                 queued += 1
     return queued
 
@@ -143,7 +145,7 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
             continue
         values[cfg.key()][t.user_attrs[Attr.CONFIRMATION_ROUND]] = t.value
         peaks[cfg.key()] = max(peaks.get(cfg.key(), 0), t.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0))
-    finalists = [e for e in entries if e.role == "finalist" and values[e.cfg.key()]]
+    finalists = [e for e in entries if e.role == Role.FINALIST and values[e.cfg.key()]]
     if not finalists:
         return None
     top = max(finalists, key=lambda e: statistics.fmean(values[e.cfg.key()].values()))
@@ -153,7 +155,7 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
         rounds = values[e.cfg.key()]
         lo, hi = mean_ci95(list(rounds.values()))
         ratio = paired_ratio(rounds, top_values) if e is not top else None
-        return {"label": e.cfg.describe(), "config": e.cfg.to_dict(), "role": e.role, "also": list(e.also),
+        return {"label": e.cfg.describe(), "config": e.cfg.to_dict(), "role": e.role.value, "also": [r.value for r in e.also],
                 "trial": e.search_trial,
                 "rounds": len(rounds), "values": [rounds[r] for r in sorted(rounds)],
                 "mean": statistics.fmean(rounds.values()), "ci95": [_finite(lo), _finite(hi)],
@@ -163,20 +165,20 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
 
     described = [describe(e) for e in entries if values[e.cfg.key()]]
     batch = top.cfg.micro_batch_size
-    # The headline compares the winner with each reference at the winner's own
-    # micro batch; a finalist that is also a reference (the winner itself
-    # included) serves as it.
+    # The headline compares the winner with the standard recipe as users run it,
+    # and with PyTorch's defaults at the winner's own micro batch; a finalist
+    # that is also a reference (the winner itself included) serves as it.
     references = {}
     for d in described:
-        if d["config"]["micro_batch_size"] == batch:
-            for role in ([d["role"]] if d["role"] != "finalist" else []) + d["also"]:
+        for role in ([d["role"]] if d["role"] != Role.FINALIST else []) + d["also"]:
+            if role == Role.STANDARD_RECIPE or d["config"]["micro_batch_size"] == batch:
                 references[role] = d
     return {
         "rounds": max(len(v) for v in values.values()),
         "winner": next(d for d in described if d["config"] == top.cfg.to_dict()),
-        "ties": [d for d in described if d["role"] == "finalist" and d["tie"]],
-        "others": [d for d in described if d["role"] != "finalist" and d not in references.values()
-                   or d["role"] == "finalist" and not d["tie"] and d["config"] != top.cfg.to_dict()],
+        "ties": [d for d in described if d["role"] == Role.FINALIST and d["tie"]],
+        "others": [d for d in described if d["role"] != Role.FINALIST and d not in references.values()
+                   or d["role"] == Role.FINALIST and not d["tie"] and d["config"] != top.cfg.to_dict()],
         "references": references,
     }
 

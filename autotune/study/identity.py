@@ -36,6 +36,8 @@ class RunSettings:
     warmup_steps: int = 2
     timed_steps: int = DEFAULT_TIMED_STEPS
     timing_ci: float = 0.02
+    # Most seconds of timed steps per trial (see TrialRequest.timing_budget_s); None: by count only.
+    timing_budget_s: float | None = None
     # Nodes a trial spans, nproc ranks on each, and what starts their agents:
     # "local" (simulated nodes on this host) or "slurm" (a job step).
     nnodes: int = 1

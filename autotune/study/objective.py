@@ -26,11 +26,12 @@ from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launch.launcher import LaunchOutcome
 from autotune.launch.locks import device_slot
 from autotune.study.claims import Claims, runner_identity
+from autotune.study.equivalence import Topology, canonical
 from autotune.study.gate import MemoryGate
 from autotune.study.identity import RunSettings
 from autotune.study.record import (
     CONSTRAINT_KEY, Attr, best_search_trial, copy_measurement, crash_signature, first_line, set_constraint, trial_config,
-    write_failure, write_measurement,
+    write_failure, write_measurement, write_memory,
 )  # fmt: skip
 from autotune.study.reporter import Reporter
 from autotune.study.search import ModelSearch, PlannedSampler, config_params
@@ -81,10 +82,11 @@ class RunCounts:
 
 
 def draw(trial: optuna.Trial, study: optuna.Study, space: SearchSpace, layer_classes: tuple[str, ...],
-         search: ModelSearch | None, sampler: PlannedSampler | None) -> FsdpConfig:
+         search: ModelSearch | None, sampler: PlannedSampler | None, topology: Topology) -> FsdpConfig:
     """The trial's configuration, recorded on it: the one queued for it (the
     baseline, a seed, a retry, a confirmation round: it may hold values outside
-    the space file), else autotune's proposal, else the Optuna sampler's draw."""
+    the space file), else autotune's proposal, else the Optuna sampler's draw;
+    in each case the simplest member of its class (see :mod:`autotune.study.equivalence`)."""
     fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
     if not fixed and search is not None:
         proposal = search.propose(study)
@@ -94,13 +96,21 @@ def draw(trial: optuna.Trial, study: optuna.Study, space: SearchSpace, layer_cla
             raise optuna.TrialPruned(reason)
         sampler.plan(trial.number, proposal)
         fixed = config_params(proposal)
-    cfg = space.suggest(trial, layer_classes, fixed)
+    drawn = space.suggest(trial, layer_classes, fixed)
+    cfg = canonical(drawn, topology)
+    if cfg != drawn:
+        trial.set_user_attr(Attr.DRAWN_AS, drawn.describe())
     trial.set_user_attr(Attr.CONFIG, cfg.to_dict())
     return cfg
 
 
 # The cause a failed trial is recorded with, where it differs from the status.
 FAILURE_CAUSES = {"node_lost": "node lost"}
+
+
+def topology_of(settings: RunSettings, model: ModelInfo) -> Topology:
+    """What decides which configurations of this run are one program."""
+    return Topology(settings.world_size, settings.nnodes, model.num_params, model.num_layers)
 
 
 class Objective:
@@ -112,6 +122,7 @@ class Objective:
         self.study, self.settings, self.host, self.model = study, settings, host, model
         self.launch, self.gate, self.claims, self.reporter = launch, gate, claims, reporter
         self.folder = folder
+        self.topology = topology_of(settings, model)
         # autotune's own search proposes each draw (the sampler delivers it);
         # without it, the study's Optuna sampler draws.
         self.search, self.sampler = search, sampler
@@ -156,7 +167,8 @@ class Objective:
     def _draw(self, trial: optuna.Trial) -> FsdpConfig:
         with self._lock:
             # Proposing and recording the proposal are one step: slots run in threads.
-            cfg = draw(trial, self.study, self.settings.space, self.model.layer_classes, self.search, self.sampler)
+            cfg = draw(trial, self.study, self.settings.space, self.model.layer_classes, self.search, self.sampler,
+                       self.topology)
         trial.set_user_attr(Attr.LABEL, cfg.describe())
         trial.set_user_attr(Attr.RUNNER, runner_identity())
         return cfg
@@ -176,8 +188,9 @@ class Objective:
         best = self.best_value()
         s = self.settings
         request = TrialRequest(fsdp=cfg, model=s.model, seq_len=s.seq_len, warmup_steps=s.warmup_steps,
-                               timed_steps=s.timed_steps, timing_ci=s.timing_ci, seed=s.seed, nnodes=s.nnodes,
-                               grad_accum_steps=s.grad_accum_steps(cfg.micro_batch_size),
+                               timed_steps=s.timed_steps, timing_ci=s.timing_ci, timing_budget_s=s.timing_budget_s,
+                               seed=s.seed, nnodes=s.nnodes, grad_accum_steps=s.grad_accum_steps(cfg.micro_batch_size),
+                               memory_budget_bytes=s.budget_bytes, quiet_lock=self.gate.cores.quiet,
                                abort_below_tokens_per_s=best / ABORT_FACTOR if best and abort else None)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)
@@ -217,14 +230,17 @@ class Objective:
             self._line(trial, cfg, f"stopped early, {reason}")
             raise optuna.TrialPruned(reason)
         if result.status == "oom":
-            # Out of memory is an answer, not a failure: it does not fit.
+            # Out of memory is an answer, not a failure: it does not fit (on CUDA: not under the cap).
             write_failure(trial, result, "oom")
+            write_memory(trial, result)
             trial.set_user_attr(Attr.FITS_BUDGET, False)
             peak = int(result.peak_memory_bytes or 0)
             if peak:
                 trial.set_user_attr(Attr.PEAK_MEMORY_BYTES, peak)
             set_constraint(trial, float(max(peak - budget, 1)))
-            self._line(trial, cfg, f"out of memory on rank {result.failed_rank}: infeasible")
+            reached = f", having reached {format_bytes(peak)}" if peak else ""
+            under = f" under its cap of {format_bytes(result.memory_cap_bytes)}" if result.memory_cap_bytes else ""
+            self._line(trial, cfg, f"out of memory on rank {result.failed_rank}{under}{reached}: infeasible")
             return 0.0
         self._count("failed")
         write_failure(trial, result, FAILURE_CAUSES.get(result.status, result.status))

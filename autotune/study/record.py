@@ -20,7 +20,8 @@ import json
 import re
 from typing import Any
 
-from autotune.config import FsdpConfig, TrialResult
+from autotune.config import Choice, FsdpConfig, TrialResult
+from autotune.study.margin import Sample
 
 METRIC_NAME = "tokens_per_s"
 CONSTRAINT_KEY = "peak_memory_over_budget"
@@ -30,9 +31,10 @@ class Attr:
     """User-attribute names of a trial."""
 
     # What was drawn.
-    CONFIG = "config"  # FsdpConfig.to_dict() of the configuration
+    CONFIG = "config"  # FsdpConfig.to_dict() of the configuration: its class's simplest member
     LABEL = "label"  # FsdpConfig.describe()
-    BASELINE = "baseline"  # True on the recommended starting point
+    DRAWN_AS = "drawn_as"  # the label drawn, when it names the same program as CONFIG less simply
+    BASELINE = "baseline"  # True on the first trial: the standard recipe
     RETRY_OF = "retry_of"  # number of the trial this one retries
     # Who ran it.
     RUNNER = "runner"  # {"host", "pid", "start"} of the tuner process
@@ -70,8 +72,13 @@ class Attr:
     TRANSFORMERS_VERSION = "transformers_version"
     NUM_PARAMS = "num_params"
     TOKENS_PER_STEP = "tokens_per_step"
-    PEAK_MEMORY_BYTES = "peak_memory_bytes"  # the largest rank's peak
+    PEAK_MEMORY_BYTES = "peak_memory_bytes"  # the largest rank's peak: what it held of the device
     PEAK_MEMORY_GIB = "peak_memory_gib"
+    TENSOR_PEAK_BYTES = "tensor_peak_bytes"  # the largest rank's tensor bytes (CUDA: allocated), what estimates predict
+    OUTSIDE_ALLOCATOR_BYTES = "outside_allocator_bytes"  # CUDA: the most device memory a rank held outside the allocator
+    MEMORY_CAP_BYTES = "memory_cap_bytes"  # CUDA: what each rank's caching allocator was capped at
+    ALLOC_RETRIES = "alloc_retries"  # CUDA: the most times a rank's allocator freed its cache and retried
+    ALLOCATOR_CONF = "allocator_conf"  # PYTORCH_CUDA_ALLOC_CONF the trial ran with
     RANK_MEMORY = "rank_memory"  # every rank's RankMemory
     FITS_BUDGET = "fits_budget"
     # Why it is not a usable result.
@@ -84,7 +91,7 @@ class Attr:
     EXIT_CODE = "exit_code"
     # The confirmation round (fresh re-measurements after the search).
     CONFIRMATION_ROUND = "confirmation_round"  # 1, 2, ...
-    CONFIRMATION_ROLE = "confirmation_role"  # finalist, recommended, pytorch_defaults
+    CONFIRMATION_ROLE = "confirmation_role"  # a Role
     # The memory estimate.
     PREDICTED_PEAK_BYTES = "predicted_peak_bytes"  # tensor bytes of the fake step
     PREDICTED_DEVICE_PEAK_BYTES = "predicted_device_peak_bytes"  # with the device margin
@@ -92,6 +99,16 @@ class Attr:
     PREDICTION_METHOD = "prediction_method"
     PREDICTION_MARGIN = "prediction_margin"
     FIT_CHANCE = "fit_chance"  # below 1: predicted near the budget, launched to find out
+
+
+class Role(Choice):
+    """The part a configuration plays in the confirmation round."""
+
+    FINALIST = "finalist"  # the search's best, or within its noise
+    # FSDP2 FULL_SHARD, layer wrap, bf16 where fast, full checkpointing, the
+    # largest micro batch predicted to fit: what users write by hand, and the first trial.
+    STANDARD_RECIPE = "standard_recipe"
+    PYTORCH_DEFAULTS = "pytorch_defaults"  # FullyShardedDataParallel(model) as it comes, at the winner's micro batch
 
 
 class StudyAttr:
@@ -103,6 +120,9 @@ class StudyAttr:
     HOST = "host"  # HostInfo of the last run
     EXCLUDED = "excluded"  # {"count", "examples": [{"label", "reason"}]}: ruled out before any trial
     CONFIRMATION = "confirmation"  # the confirmation round's verdict (see autotune.study.confirm)
+    # What the last run spent on memory estimates: fake steps, their seconds, the
+    # seconds the search waited for them, configurations judged without one.
+    ESTIMATE_COSTS = "estimate_costs"
 
 
 # What a reused trial copies from the trial that measured its configuration:
@@ -114,7 +134,7 @@ MEASURED = (Attr.NNODES, Attr.NPROC_PER_NODE, Attr.MESH_SHAPE, Attr.TOKENS_PER_S
             Attr.TOKENS_PER_S_CI_LOW, Attr.TOKENS_PER_S_CI_HIGH,
             Attr.TIMED_STEPS, Attr.SKIPPED_STEPS, Attr.LOSS_FIRST, Attr.LOSS_LAST, Attr.MEMORY_METHOD, Attr.WORLD_SIZE,
             Attr.DEVICE, Attr.DEVICE_NAME, Attr.TORCH_VERSION, Attr.TRANSFORMERS_VERSION, Attr.NUM_PARAMS,
-            Attr.TOKENS_PER_STEP)
+            Attr.TOKENS_PER_STEP, Attr.ALLOCATOR_CONF)
 
 
 def is_feasible(trial: Any) -> bool:
@@ -165,7 +185,7 @@ def verdict_entries(verdict: dict[str, Any]) -> list[tuple[dict[str, Any], str]]
             part = "winner"
         elif e in verdict["ties"]:
             part = "tie"
-        elif e["role"] == "finalist":
+        elif e["role"] == Role.FINALIST:
             part = "slower"
         else:
             part = e["role"]
@@ -204,11 +224,25 @@ def set_constraint(trial: Any, violation: float) -> None:
     trial.storage.set_trial_system_attr(trial._trial_id, "constraints", [violation])
 
 
+def write_memory(trial: Any, result: TrialResult) -> None:
+    """What the ranks held: tensor bytes, outside the allocator, the cap and its retries (from every rank's figures)."""
+    ranks = result.rank_memory
+    figures = {Attr.TENSOR_PEAK_BYTES: [m.tensor_peak for m in ranks if m.tensor_peak is not None],
+               Attr.OUTSIDE_ALLOCATOR_BYTES: [m.outside_allocator for m in ranks if m.outside_allocator is not None],
+               Attr.ALLOC_RETRIES: [m.alloc_retries for m in ranks if m.alloc_retries is not None]}
+    for name, values in figures.items():
+        if values:
+            trial.set_user_attr(name, max(values))
+    if result.memory_cap_bytes is not None:
+        trial.set_user_attr(Attr.MEMORY_CAP_BYTES, result.memory_cap_bytes)
+
+
 def write_measurement(trial: Any, result: TrialResult, budget_bytes: int) -> int:
     """A measured trial's figures and its constraint; returns the peak."""
     peak = int(result.peak_memory_bytes or 0)
     for name in MEASURED:
         trial.set_user_attr(name, getattr(result, name))
+    write_memory(trial, result)
     trial.set_user_attr(Attr.PEAK_MEMORY_BYTES, peak)
     trial.set_user_attr(Attr.PEAK_MEMORY_GIB, round(peak / 2**30, 4))
     trial.set_user_attr(Attr.RANK_MEMORY, [vars(m) for m in result.rank_memory])
@@ -222,6 +256,29 @@ def write_failure(trial: Any, result: TrialResult, cause: str) -> None:
     trial.set_user_attr(Attr.ERROR, result.error)
     trial.set_user_attr(Attr.FAILED_RANK, result.failed_rank)
     trial.set_user_attr(Attr.EXIT_CODE, result.exit_code)
+
+
+def measured_samples(study: Any, budget_bytes: int) -> list[Sample]:
+    """Each launched trial with a prediction, against what it needed: its tensor
+    peak, or for one out of memory under the cap, the cap (a lower bound)."""
+    from optuna.trial import TrialState
+
+    samples = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        attrs = t.user_attrs
+        predicted = attrs.get(Attr.PREDICTED_PEAK_BYTES)
+        if not predicted or Attr.REUSED_FROM in attrs:
+            continue
+        outside = attrs.get(Attr.OUTSIDE_ALLOCATOR_BYTES)
+        if attrs.get(Attr.STATUS) == "ok":
+            # Trials recorded before tensor peaks were kept: the device peak less what lies outside.
+            needed = attrs.get(Attr.TENSOR_PEAK_BYTES) or attrs.get(Attr.PEAK_MEMORY_BYTES, 0) - (outside or 0)
+        elif attrs.get(Attr.STATUS) == "oom" and attrs.get(Attr.MEMORY_CAP_BYTES):
+            needed = attrs[Attr.MEMORY_CAP_BYTES] + 1
+        else:
+            continue
+        samples.append(Sample(needed, predicted, attrs.get(Attr.PREDICTION_METHOD), outside))
+    return samples
 
 
 def copy_measurement(trial: Any, previous: Any) -> None:

@@ -10,6 +10,7 @@ measured table through the real objective.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -19,20 +20,24 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune import interrupts
+from autotune.launch.devices import cpu_cores
+from autotune.launch.locks import quiet_lock_path
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launch.launcher import launch_trial
 from autotune.launch.multinode import launch_local, launch_slurm
 from autotune.study.mutex import study_mutex
 from autotune.study import confirm
-from autotune.study.baseline import as_params, enqueue_baseline
+from autotune.config import FsdpConfig
+from autotune.study.baseline import as_params, enqueue_baseline, standard_recipe
+from autotune.study.equivalence import canonical
 from autotune.study.claims import Claims, recover_stale_trials, settle_interrupted
-from autotune.study.gate import Estimator, GatePlan, MemoryGate
+from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate
 from autotune.study.identity import RunSettings, check_resumable, load_or_create_study, make_sampler
-from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed
-from autotune.study.record import StudyAttr
+from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed, topology_of
+from autotune.study.record import Role, StudyAttr
 from autotune.study.reporter import Reporter
-from autotune.study.search import ModelSearch, compile_effect, held_keys, precision_effects
+from autotune.study.search import ModelSearch, held_keys, host_priors
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper
 from autotune.study.storage import open_storage, study_dir
 
@@ -91,13 +96,15 @@ def run_study(
     launch: LaunchFn | None = None,
     estimator: Estimator | None = None,
     storage: Any = None,
+    forks: ForkServer | None = None,
     on_trial_complete: Callable[[optuna.Study], None] | None = None,
 ) -> RunOutcome:
     """Search until ``settings.trials`` launches are done or the space is exhausted, then confirm the finalists.
 
-    Without ``launch`` trials are torchrun jobs (forked from a fork server);
-    without ``estimator`` and with ``settings.use_estimate`` the fake-step
-    estimator process predicts memory; without ``storage`` the study lives at
+    Without ``launch`` trials are torchrun jobs, forked from ``forks`` (started
+    here when not handed in; the caller closes one it hands in); without
+    ``estimator`` and with ``settings.use_estimate`` fake steps forked from it
+    predict memory; without ``storage`` the study lives at
     ``settings.storage_url``. ``on_trial_complete`` runs after every measured
     trial (the dashboard note), and never stops the run.
     """
@@ -105,8 +112,16 @@ def run_study(
     # Optuna logs every caught trial failure with its traceback; the tuner
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    parts = _assemble(settings, host, model, launch, estimator, storage)
+    owned = forks is None and launch is None
+    if owned:
+        forks = ForkServer(model=settings.model)
     start = time.perf_counter()
+    try:
+        parts = _assemble(settings, host, model, launch, estimator, storage, forks)
+    except BaseException:
+        if owned:
+            forks.close()
+        raise
     interrupted, result = None, None
     try:
         _search(parts, on_trial_complete)
@@ -120,36 +135,39 @@ def run_study(
     finally:
         parts.reporter.close_bar()
         parts.gate.close()
-        if parts.forks is not None:
-            parts.forks.close()
+        if owned:
+            forks.close()
         _record_exclusions(parts)
+        plan = parts.gate.plan
+        parts.study.set_user_attr(StudyAttr.ESTIMATE_COSTS, {
+            "fake_steps": plan.fake_steps, "fake_step_s": plan.fake_step_s, "estimate_wait_s": plan.estimate_wait_s,
+            "judged_free": plan.judged_free})
     _notify(on_trial_complete, parts.study, parts.reporter)
     return RunOutcome(parts.study, parts.objective.counts, parts.gate.plan, time.perf_counter() - start,
                       parts.stopper.reason, interrupted, result)
 
 
 def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: LaunchFn | None,
-              estimator: Estimator | None, storage: Any) -> _Parts:
+              estimator: Estimator | None, storage: Any, forks: ForkServer | None) -> _Parts:
     sampler = make_sampler(settings.search, settings.seed)
     study = load_or_create_study(settings, storage or open_storage(settings.storage_url, heartbeat=True), sampler)
     study.set_user_attr(StudyAttr.HOST, host.as_dict())
     folder = study_dir(settings.storage_url, settings.study_name)
     reporter = Reporter(folder, settings.trials, settings.quiet)
-    # Started first: its imports overlap the estimator's start.
-    forks = ForkServer() if launch is None else None
     if settings.use_estimate and estimator is None:
         from autotune.launch.estimator import EstimatorClient
 
         estimator = EstimatorClient(settings.model, settings.world_size, settings.nnodes, settings.seq_len,
-                                    timeout_s=settings.trial_timeout_s, global_batch_size=settings.global_batch_size)
+                                    timeout_s=settings.trial_timeout_s, global_batch_size=settings.global_batch_size,
+                                    forks=forks)
     gate = MemoryGate(study, settings.space, model.layer_classes, settings.budget_bytes, host.device_type,
-                      estimator if settings.use_estimate else None, reporter.say)
-    candidates = [c for c in settings.space.enumerate(model.layer_classes)
-                  if host_incompatibility(c, host, settings.nnodes, settings.world_size) is None]
+                      estimator if settings.use_estimate else None, reporter.say, estimate_cores(settings, host))
+    candidates = runnable_classes(settings, host, model)
     search = None
     if settings.search == "autotune":
-        search = ModelSearch(candidates, model.layer_classes, gate.fit_chance, precision_effects(host), seed=settings.seed,
-                             use_frontier=settings.seed_frontier, say=reporter.say, compile_effect=compile_effect(host))
+        priors = host_priors(host, settings.seq_len, settings.space.choices.get("micro_batch_size", (1,)))
+        search = ModelSearch(candidates, model.layer_classes, gate, priors, seed=settings.seed,
+                             use_frontier=settings.seed_frontier, say=reporter.say)
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
                           gate=gate, claims=Claims(study, study_mutex(study._storage, settings.study_name, folder / "claims.lock"),
                                         settings.trial_timeout_s + 60),
@@ -160,13 +178,44 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     return _Parts(study, settings, host, model, reporter, gate, objective, stopper, forks, search)
 
 
+def estimate_cores(settings: RunSettings, host: HostInfo) -> Cores:
+    """Where fake steps run: on every core before the first trial, then only on
+    cores no trial uses. A CPU trial takes its slot's cores; a GPU trial's ranks
+    keep about one core each busy, and the tuner itself one more."""
+    cores = sorted(os.sched_getaffinity(0))
+    if host.device_type == "cpu":
+        used = set().union(*(cpu_cores(slot) for slot in settings.slots)) if settings.slots else set(cores)
+        spare = tuple(c for c in cores if c not in used)
+    else:
+        busy = settings.world_size // settings.nnodes * max(1, len(settings.slots)) + 1
+        spare = tuple(cores[busy:])
+    # A fake step holds the model's structure, not its tensors: a few hundred MB each.
+    return Cores(idle=max(1, min(len(cores), 16)), spare=spare[:16], quiet=None if spare else str(quiet_lock_path()))
+
+
+def runnable_classes(settings: RunSettings, host: HostInfo, model: ModelInfo) -> list[FsdpConfig]:
+    """The space's classes of configurations (each once, under its simplest name) that this host can run."""
+    configs = settings.space.enumerate(model.layer_classes, topology_of(settings, model))
+    return [c for c in configs if host_incompatibility(c, host, settings.nnodes, settings.world_size) is None]
+
+
 def _search(parts: _Parts, on_trial_complete) -> None:
     study, settings = parts.study, parts.settings
     parts.gate.start()
+    if parts.search is not None and parts.gate.plan.active and not study.get_trials(deepcopy=False):
+        # Before the first trial every core is free: the fake steps the recipe and
+        # the frontier ask for first are made side by side.
+        recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.space)
+        sizes = sorted(settings.space.choices.get("micro_batch_size", (1,)))
+        parts.gate.prefetch([recipe.replace(micro_batch_size=m) for m in (sizes[0], sizes[-1])] + parts.search.first_needs())
     # Several tuners may start on one study at once: one of them enqueues the first trials.
     with parts.objective.claims.mutex():
         if not study.get_trials(deepcopy=False):
-            enqueue_baseline(study, parts.host, parts.model.layer_classes, settings.space)
+            # The recipe's micro batch is the largest predicted to fit; unpredicted, the smallest.
+            plan = parts.gate.plan
+            fit_chance = parts.gate.fit_chance if plan.active or plan.all_fit else None
+            recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.space, fit_chance)
+            enqueue_baseline(study, canonical(recipe, parts.objective.topology))
             if settings.seed_frontier and parts.search is None:
                 _enqueue_frontier(parts)
         recover_stale_trials(study, parts.reporter.say)
@@ -183,9 +232,9 @@ def _search(parts: _Parts, on_trial_complete) -> None:
 
 def _enqueue_frontier(parts: _Parts) -> None:
     """Queue the memory frontier for one of Optuna's samplers (autotune's search proposes it itself)."""
-    candidates = [c for c in parts.settings.space.enumerate(parts.model.layer_classes)
-                  if host_incompatibility(c, parts.host, parts.settings.nnodes, parts.settings.world_size) is None]
-    seeds = ModelSearch(candidates, parts.model.layer_classes, parts.gate.fit_chance, precision_effects(parts.host)).frontier()
+    candidates = runnable_classes(parts.settings, parts.host, parts.model)
+    priors = host_priors(parts.host, parts.settings.seq_len, parts.settings.space.choices.get("micro_batch_size", (1,)))
+    seeds = ModelSearch(candidates, parts.model.layer_classes, parts.gate, priors).frontier()
     held = held_keys(parts.study, parts.model.layer_classes)
     for cfg in seeds:
         if cfg.key() not in held:
@@ -200,12 +249,12 @@ def _confirm(parts: _Parts, on_trial_complete) -> dict[str, Any] | None:
     study, settings = parts.study, parts.settings
     with parts.objective.claims.mutex():
         entries = confirm.round_entries(study, parts.host, settings.space, parts.model.layer_classes, settings.nnodes,
-                                        parts.gate.fit_reason)
+                                        lambda cfg: parts.gate.fit_chance(cfg)[1], parts.objective.topology)
         queued = confirm.enqueue_rounds(study, entries, settings.confirm) if entries else 0
     if not entries:
         return None
     if queued:
-        finalists = sum(e.role == "finalist" for e in entries)
+        finalists = sum(e.role == Role.FINALIST for e in entries)
         parts.reporter.say(f"Confirmation: {finalists} finalist(s) and {len(entries) - finalists} reference(s), "
                            f"{settings.confirm} interleaved round(s); {queued} fresh trial(s) to run.")
         study.optimize(parts.objective, n_trials=queued, callbacks=[_after_trial(parts, on_trial_complete)],
@@ -218,6 +267,7 @@ def _confirm(parts: _Parts, on_trial_complete) -> dict[str, Any] | None:
 
 def _after_trial(parts: _Parts, on_trial_complete) -> Callable[[optuna.Study, FrozenTrial], None]:
     def after_trial(study: optuna.Study, trial: FrozenTrial) -> None:
+        parts.gate.refresh()
         parts.reporter.show_state(f"#{trial.number} {trial.state.name.lower()}", len(parts.objective.counts.trial_wall_s),
                                   parts.objective.best_value())
         if trial.state == TrialState.COMPLETE:

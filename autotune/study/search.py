@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import optuna
@@ -65,6 +66,42 @@ def compile_effect(host: HostInfo) -> float:
     return 0.1 if host.device_type == "cuda" else -0.1
 
 
+# The share of a step's speed each checkpointing mode keeps: full checkpointing
+# recomputes the whole forward (three passes of work become four), every other
+# layer half of that, selective only the elementwise work between the matmuls
+# and attention it keeps.
+RECOMPUTE_SPEED = {"none": 1.0, "selective": 0.92, "every_other_layer": 0.87, "full": 0.75}
+
+
+@dataclass(frozen=True)
+class Priors:
+    """What each choice is expected to do to log tokens/s on this host before any
+    trial: measured by the host probe where it can be (the fast precisions, how
+    far a micro batch is from saturating the device), FSDP practice elsewhere."""
+
+    precision: dict[str, float]
+    micro_batch: dict[int, float]
+    compile: float = 0.0
+    checkpointing: dict[str, float] = field(
+        default_factory=lambda: {mode: math.log(share) for mode, share in RECOMPUTE_SPEED.items()})
+
+    def speed(self, cfg: FsdpConfig) -> float:
+        """The expected tokens/s of ``cfg`` relative to the host's best: the frontier's order."""
+        return math.exp(self.precision.get(cfg.mixed_precision, 0.0) + self.micro_batch.get(cfg.micro_batch_size, 0.0)
+                        + self.checkpointing.get(cfg.activation_checkpointing, 0.0))
+
+
+def host_priors(host: HostInfo, seq_len: int, micro_batches: tuple[int, ...]) -> Priors:
+    """The priors of a study on ``host``: a micro batch's effect is the log of the
+    device's efficiency at its tokens per step (the probe's saturation curve);
+    without a curve, a mild preference for larger batches."""
+    if host.saturation:
+        batch = {m: math.log(max(1e-3, host.efficiency(m * seq_len))) for m in micro_batches}
+    else:
+        batch = {m: 0.1 * math.log2(m) for m in micro_batches}
+    return Priors(precision_effects(host), batch, compile_effect(host))
+
+
 def config_params(cfg: FsdpConfig) -> dict[str, Any]:
     """Every searchable field of ``cfg``: what an enqueued trial fixes."""
     return {f.name: getattr(cfg, f.name) for f in SEARCH_FIELDS}
@@ -90,62 +127,131 @@ def held_keys(study: optuna.Study, layer_classes: tuple[str, ...]) -> set[str]:
     return keys
 
 
-def frontier_configs(candidates: list[FsdpConfig], fits: Callable[[FsdpConfig], bool], fast_precisions: tuple[str, ...]
-                     ) -> list[FsdpConfig]:
-    """Where an expert starts: for each sharding strategy, in the fastest
-    precision, the largest micro batch that fits without activation
-    checkpointing (with it, where none fits without); FSDP2 with one unit per
-    layer where the space offers them. Least communication first."""
-    def preferred(c: FsdpConfig) -> tuple:
-        return (c.fsdp_version != 2, c.auto_wrap_policy != "transformer_layer", c.forward_prefetch, c.cpu_offload,
-                c.backward_prefetch != "BACKWARD_PRE", not c.limit_all_gathers)
+def frontier_configs(candidates: list[FsdpConfig], fits: Callable[[FsdpConfig], bool], fast_precisions: tuple[str, ...],
+                     speed: Callable[[FsdpConfig], float] = lambda c: 1.0) -> list[FsdpConfig]:
+    """Where an expert starts, least communication first, in the fastest precision
+    that fits, FSDP2 with one unit per layer where the space offers them:
 
-    seeds = []
-    strategies = sorted({c.sharding_strategy for c in candidates}, key=BY_COMMUNICATION.index)
-    for strategy in strategies:
+    - for the least-communicating strategy that fits, the largest micro batch
+      that fits with no checkpointing, with selective and with full
+      checkpointing, fastest first by ``speed`` (the host's saturation curve
+      decides whether a larger batch is worth its recomputation);
+    - then, for every other strategy, the one of those that ``speed`` expects fastest.
+    """
+    seeds: list[FsdpConfig] = []
+    strategies = sorted({(c.sharding_strategy, c.shard_group_size or 0) for c in candidates},
+                        key=lambda s: (BY_COMMUNICATION.index(s[0]), -s[1]))
+    for strategy, group_size in strategies:
         for precision in fast_precisions:
-            group = [c for c in candidates if c.sharding_strategy == strategy and c.mixed_precision == precision]
-            seed = _largest_fitting(group, fits, preferred)
-            if seed is not None:
-                seeds.append(seed)
+            group = [c for c in candidates if c.sharding_strategy == strategy and (c.shard_group_size or 0) == group_size
+                     and c.mixed_precision == precision]
+            if not seeds:
+                span = [cfg for mode in SPANNED_CHECKPOINTING if (cfg := _largest_fitting(group, mode, fits)) is not None]
+                chosen = sorted(span, key=lambda c: -speed(c))
+            else:
+                chosen = [_fastest_fitting(group, fits, speed)] if group else []
+            if chosen and chosen[0] is not None:
+                seeds += chosen
                 break
     return seeds
 
 
-def _largest_fitting(group: list[FsdpConfig], fits: Callable[[FsdpConfig], bool], preferred: Callable) -> FsdpConfig | None:
-    for checkpointing in ("none", "selective", "every_other_layer", "full"):
-        options = sorted((c for c in group if c.activation_checkpointing == checkpointing),
-                         key=lambda c: (-c.micro_batch_size, preferred(c)))
-        seen_sizes: set[int] = set()
-        for cfg in options:
-            if cfg.micro_batch_size in seen_sizes:
-                continue  # only the preferred variant of each size is tried
-            seen_sizes.add(cfg.micro_batch_size)
-            if fits(cfg):
-                return cfg
+# The checkpointing modes whose largest fitting micro batch the first strategy spans.
+SPANNED_CHECKPOINTING = ("none", "selective", "full")
+
+
+def _preferred(c: FsdpConfig) -> tuple:
+    """Among configurations of one size, the variant an expert starts from."""
+    return (c.fsdp_version != 2, c.auto_wrap_policy != "transformer_layer", c.forward_prefetch, c.cpu_offload,
+            c.backward_prefetch != "BACKWARD_PRE", not c.limit_all_gathers, c.compile)
+
+
+def _largest_fitting(group: list[FsdpConfig], checkpointing: str, fits: Callable[[FsdpConfig], bool]) -> FsdpConfig | None:
+    """The preferred variant of the largest micro batch that fits with ``checkpointing``."""
+    options = sorted((c for c in group if c.activation_checkpointing == checkpointing),
+                     key=lambda c: (-c.micro_batch_size, _preferred(c)))
+    seen_sizes: set[int] = set()
+    for cfg in options:
+        if cfg.micro_batch_size in seen_sizes:
+            continue  # only the preferred variant of each size is tried
+        seen_sizes.add(cfg.micro_batch_size)
+        if fits(cfg):
+            return cfg
     return None
+
+
+def _fastest_fitting(group: list[FsdpConfig], fits: Callable[[FsdpConfig], bool],
+                     speed: Callable[[FsdpConfig], float]) -> FsdpConfig | None:
+    """The preferred variant of the (checkpointing, micro batch) expected fastest that fits."""
+    best: dict[tuple, FsdpConfig] = {}
+    for cfg in sorted(group, key=_preferred):
+        best.setdefault((cfg.activation_checkpointing, cfg.micro_batch_size), cfg)
+    return next((cfg for cfg in sorted(best.values(), key=lambda c: -speed(c)) if fits(cfg)), None)
+
+
+class FitOracle(Protocol):
+    """What the search asks of the memory gate (:class:`autotune.study.gate.MemoryGate`)."""
+
+    def fit_chance(self, cfg: FsdpConfig) -> tuple[float, str | None]:
+        """(chance to fit, why not when it is 0), estimating if need be."""
+
+    def free_chance(self, cfg: FsdpConfig) -> tuple[float, str | None] | None:
+        """The same when it needs no fake step, else None."""
+
+    def probably_over(self, cfg: FsdpConfig) -> bool:
+        """Whether a rough model says a fake step of ``cfg`` would likely find it over budget."""
+
+    def speculate(self, configs: list[FsdpConfig]) -> None:
+        """Estimate these in the background, where the host has cores to spare."""
+
+
+class _EverythingFits:
+    """The oracle of a search without a memory gate, or with a plain ``fit_chance``."""
+
+    def __init__(self, fit_chance: Callable[[FsdpConfig], tuple[float, str | None]] | None = None) -> None:
+        self.fit_chance = fit_chance or (lambda cfg: (1.0, None))
+
+    def free_chance(self, cfg: FsdpConfig) -> tuple[float, str | None] | None:
+        return self.fit_chance(cfg)
+
+    def probably_over(self, cfg: FsdpConfig) -> bool:
+        return False
+
+    def speculate(self, configs: list[FsdpConfig]) -> None:
+        pass
+
+
+# A candidate whose fit needs a fake step is estimated only when its score beats
+# the best one judged for free by this much (log tokens/s: 1% of speed), and at
+# most this many such candidates are estimated for one proposal.
+ESTIMATE_WORTH = 0.01
+MAX_ESTIMATED_PER_PROPOSAL = 2
+# Candidates handed to the gate to estimate in the background after each proposal.
+SPECULATED = 8
 
 
 class ModelSearch:
     """Proposes the unmeasured, runnable configuration with the largest expected improvement."""
 
     def __init__(self, candidates: list[FsdpConfig], layer_classes: tuple[str, ...],
-                 fit_chance: Callable[[FsdpConfig], tuple[float, str | None]], precisions: dict[str, float], seed: int = 0,
-                 use_frontier: bool = True, say: Callable[[str], None] = lambda _: None, compile_effect: float = 0.0
-                 ) -> None:
+                 gate: FitOracle | Callable[[FsdpConfig], tuple[float, str | None]], priors: Priors, seed: int = 0,
+                 use_frontier: bool = True, say: Callable[[str], None] = lambda _: None) -> None:
         self.candidates = candidates
         self.layer_classes = layer_classes
-        # (chance to fit, why not when it is 0): the memory gate.
-        self.fit_chance = fit_chance
-        # Each precision's expected effect (see :func:`precision_effects`).
-        self.precisions = precisions
+        # The memory gate (or a plain fit_chance, from tests and tools).
+        self.gate = _EverythingFits(gate) if callable(gate) else gate
+        self.fit_chance = self.gate.fit_chance
+        self.priors = priors
         self.say = say
         # Made at the first proposal, once the gate has planned; () when off.
         self._frontier: list[FsdpConfig] | None = None if use_frontier else []
         self.excluded: dict[str, str] = {}
         self._rng = np.random.default_rng(seed)
         self._encoder = _Encoder(candidates)
-        self._prior = self._encoder.prior(precisions, compile_effect)
+        # Every candidate's features, once: a proposal scores thousands of them.
+        self._features = self._encoder.encode(candidates)
+        self._index = {c.key(): i for i, c in enumerate(candidates)}
+        self._prior = self._encoder.prior(priors)
         self.exhausted = False
         # The proposal made by :meth:`has_next`, handed to the next draw.
         self._next: FsdpConfig | None = None
@@ -171,11 +277,28 @@ class ModelSearch:
                 return kept
             return self._propose(study)
 
+    def first_needs(self) -> list[FsdpConfig]:
+        """Configurations whose fit the frontier asks first: the span of the least
+        communicating strategy in the fastest precision, and the other
+        strategies without checkpointing, at the space's smallest and largest
+        micro batch (which bound every other of their class)."""
+        fast = max(self.priors.precision, key=self.priors.precision.get)
+        sizes = sorted({c.micro_batch_size for c in self.candidates})
+        strategies = sorted({c.sharding_strategy for c in self.candidates}, key=BY_COMMUNICATION.index)
+        wanted = {(s, mode) for s in strategies[:1] for mode in SPANNED_CHECKPOINTING} | {(s, "none") for s in strategies}
+        picked: dict[tuple, FsdpConfig] = {}
+        for cfg in sorted(self.candidates, key=_preferred):
+            key = (cfg.sharding_strategy, cfg.activation_checkpointing, cfg.micro_batch_size)
+            if key[:2] in wanted and cfg.mixed_precision == fast and key[2] in (sizes[0], sizes[-1]) and not cfg.is_hybrid:
+                picked.setdefault(key, cfg)
+        return list(picked.values())
+
     def frontier(self) -> list[FsdpConfig]:
         """The memory frontier (see :func:`frontier_configs`), in the precisions this host runs fastest first."""
         if self._frontier is None:
-            fast = tuple(sorted(self.precisions, key=lambda p: -self.precisions[p]))
-            self._frontier = frontier_configs(self.candidates, lambda c: self.fit_chance(c)[0] >= 1.0, fast)
+            fast = tuple(sorted(self.priors.precision, key=lambda p: -self.priors.precision[p]))
+            self._frontier = frontier_configs(self.candidates, lambda c: self.fit_chance(c)[0] >= 1.0, fast,
+                                              self.priors.speed)
             if self._frontier:
                 self.say(f"Frontier, measured first: {'; '.join(c.describe() for c in self._frontier)}")
         return self._frontier
@@ -193,16 +316,38 @@ class ModelSearch:
             return seed
         scores, has_data = self._expected_improvement(study, remaining)
         # Ties (before any data, or between equal predictions) break at random, reproducibly.
-        order = np.lexsort((self._rng.random(len(remaining)), -scores))
-        # Weighing by the chance to fit only lowers a score, so the walk stops
-        # at the first raw score below the best weighted one, and estimates
-        # (a fake step each) are made only that far down the list.
-        best, best_score = None, -math.inf
+        order = [int(i) for i in np.lexsort((self._rng.random(len(remaining)), -scores))]
+        # Candidates a rough model finds unlikely to fit wait for the rest; only if
+        # nothing else fits are they estimated after all.
+        best = self._walk(remaining, scores, order, has_data, defer=True) or self._walk(remaining, scores, order, has_data)
+        if best is None:
+            self.exhausted = True
+        undecided = [remaining[i] for i in order[:4 * SPECULATED]
+                     if self.gate.free_chance(remaining[i]) is None and not self.gate.probably_over(remaining[i])]
+        self.gate.speculate(undecided[:SPECULATED])
+        return best
+
+    def _walk(self, remaining: list[FsdpConfig], scores: np.ndarray, order: list[int], has_data: bool,
+              defer: bool = False) -> FsdpConfig | None:
+        """The best candidate weighed by its chance to fit. Weighing only lowers a
+        score, so the walk stops at the first raw score below the best weighted
+        one; a candidate whose chance needs a fake step is estimated only when it
+        would beat the best judged for free by :data:`ESTIMATE_WORTH`, and at
+        most :data:`MAX_ESTIMATED_PER_PROPOSAL` of them."""
+        best, best_score, estimated = None, -math.inf, 0
         for index in order:
             if scores[index] <= best_score:
                 break
-            cfg = remaining[int(index)]
-            chance, reason = self.fit_chance(cfg)
+            cfg = remaining[index]
+            free = self.gate.free_chance(cfg)
+            if free is None:
+                if defer and self.gate.probably_over(cfg):
+                    continue
+                if best is not None and (scores[index] <= best_score + ESTIMATE_WORTH
+                                         or estimated >= MAX_ESTIMATED_PER_PROPOSAL):
+                    continue
+                estimated += 1
+            chance, reason = free if free is not None else self.gate.fit_chance(cfg)
             if chance <= 0.0:
                 self.excluded[cfg.key()] = reason or "predicted over the budget"
                 continue
@@ -211,15 +356,13 @@ class ModelSearch:
                 best, best_score = cfg, weighted
             if chance >= 1.0:
                 break
-        if best is None:
-            self.exhausted = True
         return best
 
     def _expected_improvement(self, study: optuna.Study, remaining: list[FsdpConfig]) -> tuple[np.ndarray, bool]:
         """Each candidate's expected improvement in log tokens/s, and whether
         any data backs it (before any, the prior's predicted effect)."""
         xs, ys = observations(study, self._encoder)
-        features = self._encoder.encode(remaining)
+        features = self._features[[self._index[c.key()] for c in remaining]]
         if not ys:
             return features @ self._prior, False
         mean, sd = _posterior(np.array(xs), np.array(ys), features, self._prior)
@@ -273,29 +416,32 @@ class _Encoder:
             if len(values) > 1:
                 self.columns += [(f.name, v) for v in values]
 
-    def prior(self, precisions: dict[str, float], compile_effect: float) -> np.ndarray:
-        """What FSDP practice expects of each choice, in log tokens/s: a fast
-        low precision, no recompute, larger micro batches, no offload. The data
-        soon outweighs it; it orders the search until then."""
+    def prior(self, priors: Priors) -> np.ndarray:
+        """What FSDP practice and the host probe expect of each choice, in log
+        tokens/s: a fast low precision, no recompute, a micro batch that keeps
+        the device busy, no offload. The data soon outweighs it; it orders the
+        search until then."""
         effects = {
-            "mixed_precision": {repr(name): effect for name, effect in precisions.items()},
-            "activation_checkpointing": {"'none'": 0.0, "'selective'": -0.05, "'every_other_layer'": -0.1, "'full'": -0.2},
+            "mixed_precision": {repr(name): effect for name, effect in priors.precision.items()},
+            "activation_checkpointing": {repr(mode): effect for mode, effect in priors.checkpointing.items()},
+            "micro_batch_size": {repr(mbs): effect for mbs, effect in priors.micro_batch.items()},
             "cpu_offload": {"True": -0.5, "False": 0.0},
-            "compile": {"True": compile_effect, "False": 0.0},
+            "compile": {"True": priors.compile, "False": 0.0},
         }
         out = np.zeros(len(self.columns))
         for j, (name, value) in enumerate(self.columns):
-            if name == "micro_batch_size":
-                out[j] = 0.1 * math.log2(int(value))
-            else:
-                out[j] = effects.get(name, {}).get(value, 0.0)
+            out[j] = effects.get(name, {}).get(value, 0.0)
         return out
 
     def encode(self, configs: list[FsdpConfig]) -> np.ndarray:
         out = np.zeros((len(configs), len(self.columns)))
+        column = {key: j for j, key in enumerate(self.columns)}
+        names = sorted({name for name, _ in self.columns})
         for i, cfg in enumerate(configs):
-            for j, (name, value) in enumerate(self.columns):
-                out[i, j] = repr(getattr(cfg, name)) == value
+            for name in names:
+                j = column.get((name, repr(getattr(cfg, name))))
+                if j is not None:
+                    out[i, j] = 1.0
         return out
 
 

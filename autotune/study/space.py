@@ -21,7 +21,7 @@ import yaml
 from autotune import config as vocab
 from autotune.config import SEARCH_FIELD, SEARCH_FIELDS, FsdpConfig, SearchField
 from autotune.errors import UsageError
-
+from autotune.study.equivalence import Topology, canonical_fields
 
 
 def builtin_spaces_dir() -> Path:
@@ -91,9 +91,10 @@ class SearchSpace:
                 + "; change the global batch or the space's micro_batch_size")
         return SearchSpace(path=self.path, choices={**self.choices, "micro_batch_size": kept})
 
-    def enumerate(self, layer_classes: tuple[str, ...] = ()) -> list[FsdpConfig]:
-        """Every distinct configuration the space holds, in a stable order."""
-        configs: list[FsdpConfig] = []
+    def enumerate(self, layer_classes: tuple[str, ...] = (), topology: Topology | None = None) -> list[FsdpConfig]:
+        """Every distinct configuration the space holds, in a stable order; with
+        ``topology``, every class of configurations that run as one program
+        there, each once under its simplest name (see :mod:`autotune.study.equivalence`)."""
 
         def expand(prefix: dict[str, Any], index: int) -> Iterator[dict[str, Any]]:
             if index == len(SEARCH_FIELDS):
@@ -109,9 +110,14 @@ class SearchSpace:
                 yield from expand(prefix, index + 1)
             del prefix[dim.name]
 
+        # Classes are merged on plain mappings, before any configuration is
+        # built and validated: the default space holds 161,280 combinations.
+        unique: dict[tuple, dict[str, Any]] = {}
         for picked in expand({}, 0):
-            configs.append(FsdpConfig(**picked, transformer_layer_cls=layer_classes))
-        return configs
+            if topology is not None:
+                picked.update(canonical_fields(picked, topology))
+            unique.setdefault(tuple(picked[f.name] for f in SEARCH_FIELDS), picked)
+        return [FsdpConfig(**picked, transformer_layer_cls=layer_classes) for picked in unique.values()]
 
 
 def resolve_space_path(value: str) -> Path:

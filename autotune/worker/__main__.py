@@ -33,6 +33,7 @@ warnings.filterwarnings("ignore", message="DTensor random operators may not have
 
 def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> None:
     from autotune.worker.fsdp import build_mesh, parallelize
+    from autotune.worker.measure import cap_allocator
     from autotune.worker.models import build_model
     from autotune.worker.train import measure
 
@@ -41,6 +42,12 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
         phases["launch_and_import_s"] = time.time() - launched_at
     rank = init_distributed(request.device)
     torch.manual_seed(request.seed)
+    mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes,
+                      request.fsdp.shard_group_size)
+    cap = None
+    if rank.device.type == "cuda" and request.memory_budget_bytes is not None:
+        # Before the model exists: the budget, less what lies outside the allocator, is all it may use.
+        cap = _CAP["cap"] = cap_allocator(request.memory_budget_bytes, rank.device, [None, *mesh_groups(mesh)])
 
     start = time.perf_counter()
     built = build_model(request.model, request.fsdp.transformer_layer_cls)
@@ -48,8 +55,6 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
     phases["build_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes,
-                      request.fsdp.shard_group_size)
     model = parallelize(built.module, built.layers, request.fsdp.to_dict(), rank.device, mesh)
     phases["wrap_s"] = time.perf_counter() - start
     if rank.device.type == "cuda":
@@ -62,11 +67,22 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
 
     start = time.perf_counter()
     result = build_result(request, rank, measurement, num_params, phases, tuple(mesh.shape))
+    if cap is not None:
+        result.memory_cap_bytes = cap.cap_bytes
     if rank.is_main:
         result.phases["report_s"] = time.perf_counter() - start
         write_json_atomic(trial_dir / "result.json", result.to_dict())
     dist.barrier()
     dist.destroy_process_group()
+
+
+# This rank's allocator cap once set, for the failure record of a trial out of memory under it.
+_CAP: dict = {}
+
+
+def mesh_groups(mesh) -> list:
+    """Every process group of the mesh's dimensions (one for a 1-D mesh)."""
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
 def _failure_record(exc: BaseException, rank: int) -> dict:
@@ -80,7 +96,14 @@ def _failure_record(exc: BaseException, rank: int) -> dict:
         "traceback": traceback.format_exc()[-8000:],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        record["peak_reserved"] = torch.cuda.max_memory_reserved()
+        # How far it got: the figure an out-of-memory trial reached under its cap.
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        record["peak_reserved"] = torch.cuda.max_memory_reserved(device)
+        record["peak_allocated"] = torch.cuda.max_memory_allocated(device)
+        record["outside_allocator"] = max(0, total - free - torch.cuda.memory_reserved(device))
+        if "cap" in _CAP:
+            record["cap_bytes"] = _CAP["cap"].cap_bytes
     return record
 
 

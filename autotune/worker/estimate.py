@@ -38,7 +38,7 @@ class BreakdownTracker(LiveStorageTracker):
     """The live-storage peak, split by what each storage holds at that moment."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__()
+        super().__init__(count_fake=True)
         self.model = model
         self.optimizer = optimizer
         self.saved: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -102,6 +102,20 @@ def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, to
     optimizer.zero_grad(set_to_none=True)
 
 
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's state as its first step creates it (a step count, two moments per
+    parameter), without that step: a fake step costs a second or two, and a
+    first training step gave the same peak as this, to within 136 bytes, over
+    FSDP1 and FSDP2, every sharding, checkpointing and precision, with and
+    without gradient accumulation."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                optimizer.state[p] = {"step": torch.tensor(0.0),
+                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
 # Any value will do: the scale is one float, whatever it holds.
 FP16_SCALE = 2.0**16
 
@@ -132,8 +146,8 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
         optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
         scaler = make_grad_scaler(cfg.mixed_precision, torch.device("cpu"))
         tokens = torch.randint(0, built.vocab_size, (cfg.micro_batch_size, seq_len))
-        # The first step creates the optimizer state; the second is the steady state.
-        fake_train_step(wrapped, optimizer, tokens, scaler, micro_batches)
+        # The step measured is a steady one: its optimizer state exists before it starts.
+        create_optimizer_state(optimizer)
         tracker = BreakdownTracker(wrapped, optimizer)
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t), tracker:
             fake_train_step(wrapped, optimizer, tokens, scaler, micro_batches)
@@ -289,9 +303,11 @@ def main(argv: list[str]) -> int:
                 print(json.dumps(answer_in_child(json.loads(line))), flush=True)
         return 0
     if len(argv) == 1:
-        print(json.dumps(answer(json.loads(open(argv[0]).read()))))
+        # A request inline (as the fork server passes it) or in a file.
+        text = argv[0] if argv[0].lstrip().startswith("{") else open(argv[0]).read()
+        print(json.dumps(answer(json.loads(text))))
         return 0
-    print("usage: python -m autotune.worker.estimate (--serve | REQUEST_JSON)", file=sys.stderr)
+    print("usage: python -m autotune.worker.estimate (--serve | REQUEST_JSON | REQUEST_FILE)", file=sys.stderr)
     return 2
 
 

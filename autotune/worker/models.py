@@ -73,6 +73,16 @@ def _causal_lm_class(config):
     return AutoModelForCausalLM._model_mapping[type(config)]
 
 
+def import_model_code(model: str) -> None:
+    """Import the code that builds ``model`` without building it (no tensor is
+    made): what the fork server does once, so that no trial pays for it."""
+    spec = parse_model_spec(model)
+    if spec.kind == "factory":
+        importlib.import_module(spec.value.partition(":")[0])
+    else:
+        _causal_lm_class(_transformers_config(spec))
+
+
 @contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Every parameter registered meanwhile lands on the meta device; buffers stay real.

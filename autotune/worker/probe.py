@@ -35,7 +35,58 @@ def time_matmul(dtype, device, size: int = 384, repeats: int = 8) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def describe_host() -> dict:
+def saturation_curve(hidden: int, device, dtype, threads: int, max_tokens: int = 65536,
+                     max_call_s: float = 0.05) -> dict[int, float]:
+    """How close to its best speed this device runs a block's matmul, by tokens per step.
+
+    A transformer block is mostly ``[tokens, hidden] @ [hidden, 4 * hidden]``
+    matmuls: timed for 128, 256, ... tokens (until ``max_tokens``, or a call
+    takes ``max_call_s``), each speed is divided by the best one. A GPU at
+    one 2048-token sample runs far below its best, a CPU core is saturated
+    with a few hundred tokens; the frontier and the search's prior read the
+    curve to weigh a larger micro batch against the recomputation that
+    makes room for it.
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    hidden = min(hidden, 8192)
+    weight = torch.randn(hidden, 4 * hidden, device=device).to(dtype)
+    speeds: dict[int, float] = {}
+    tokens = 128
+    try:
+        while tokens <= max_tokens:
+            x = torch.randn(tokens, hidden, device=device).to(dtype)
+            seconds = time_matmul_pair(x, weight, device)
+            speeds[tokens] = tokens / seconds
+            if seconds > max_call_s:
+                break
+            tokens *= 2
+    finally:
+        torch.set_num_threads(previous)
+    best = max(speeds.values())
+    return {t: round(v / best, 4) for t, v in speeds.items()}
+
+
+def time_matmul_pair(x, weight, device, repeats: int = 3) -> float:
+    """Seconds of one ``x @ weight``, the best of ``repeats`` after a warm-up."""
+    import torch
+
+    x @ weight
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        x @ weight
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def describe_host(hidden_size: int | None = None, nproc: int | None = None) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
@@ -79,6 +130,14 @@ def describe_host() -> dict:
             info["fp16_speedup"] = None
         torch.set_num_threads(threads)
     info["compile_supported"], info["compile_note"] = compile_toolchain(cuda)
+    if hidden_size:
+        # In the precision the device runs fastest, on one rank's share of the cores.
+        if cuda:
+            fast = torch.bfloat16 if info["cuda_capability"] >= [8, 0] else torch.float16
+        else:
+            fast = torch.bfloat16 if (info["bf16_speedup"] or 0) >= 1.0 else torch.float32
+        threads = max(1, info["cpu_count"] // (nproc or (info["cuda_device_count"] if cuda else 2) or 1))
+        info["saturation"] = saturation_curve(hidden_size, device, fast, threads)
     import transformers
 
     info["transformers_version"] = transformers.__version__
@@ -115,11 +174,26 @@ def position_limit(module) -> int | None:
     return None
 
 
+# Where configs name the width of the residual stream.
+HIDDEN_SIZE_NAMES = ("hidden_size", "n_embd", "d_model", "dim")
+
+
+def hidden_size(module) -> int | None:
+    config = getattr(module, "config", None)
+    for owner in (config, module):
+        for name in HIDDEN_SIZE_NAMES:
+            value = getattr(owner, name, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def describe_model(model: str, wrap_class: tuple[str, ...]) -> dict:
     from autotune.worker.models import build_model
 
     built = build_model(model, wrap_class)
     return {
+        "hidden_size": hidden_size(built.module),
         "num_params": sum(p.numel() for p in built.module.parameters()),
         "layer_classes": list(built.layer_classes),
         "num_layers": len(built.layers),
@@ -133,6 +207,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m autotune.worker.probe")
     parser.add_argument("--model", required=True)
     parser.add_argument("--wrap-class", action="append", default=[])
+    parser.add_argument("--nproc", type=int, default=None, help="ranks per node a trial will run (for the saturation curve)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     try:
@@ -140,7 +215,7 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - any failure to build is the user's model to fix
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return 2
-    print(json.dumps({"host": describe_host(), "model": model}))
+    print(json.dumps({"host": describe_host(model["hidden_size"], args.nproc), "model": model}))
     return 0
 
 

@@ -49,6 +49,7 @@ def build_result(
         num_params=num_params,
         skipped_steps=measurement.skipped_steps,
         phases={k: round(v, 4) for k, v in phases.items()},
+        allocator_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if rank.device.type == "cuda" else None,
     )
     # A trial stopped in its warm-up never reached the memory step.
     result.rank_memory = list(gathered) if all(gathered) else []

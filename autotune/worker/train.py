@@ -6,10 +6,12 @@ that what is timed is what a user's training loop does, and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ from torch import nn
 from autotune.config import ABORT_CHECK_STEPS, WARMUP_ABORT_SLACK, RankMemory, TrialRequest
 from autotune.worker.fsdp import gradient_sync, make_grad_scaler
 from autotune.stats import relative_median_ci95
-from autotune.worker.measure import LiveStorageTracker
+from autotune.worker.measure import LiveStorageTracker, add_run_figures
 from autotune.worker.runtime import Rank, synchronize
 
 
@@ -115,45 +117,22 @@ def _max_across_ranks(value: float, device: torch.device) -> float:
 
 
 def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank) -> Measurement:
-    """Untimed steps (the last of them measures peak memory), then timed steps (see :func:`time_steps`)."""
-    device = rank.device
-    cfg = request.fsdp
+    """The trial's schedule: untimed warm-up steps, one memory step, then timed steps
+    (see :func:`time_steps`). A hopeless first step ends it early."""
+    device, cfg = rank.device, request.fsdp
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = make_grad_scaler(cfg.mixed_precision, device)
     tokens = make_batch(vocab_size, cfg.micro_batch_size, request.seq_len, device, request.seed + rank.rank)
-    trainer = Trainer(model, optimizer, tokens, scaler, request.grad_accum_steps)
+    trainer = Trainer(model, optimizer, tokens, make_grad_scaler(cfg.mixed_precision, device), request.grad_accum_steps)
     result = Measurement()
+    per_step = request.tokens_per_step(rank.world_size)
 
-    phase_start = time.perf_counter()
-    tokens_per_step = request.tokens_per_step(rank.world_size)
-    # The first step allocates optimizer state, so memory is measured on a
-    # later one; it is untimed anyway, and so serves as a warm-up step too.
-    stepped = False
-    for i in range(request.warmup_steps - 1):
-        start = time.perf_counter()
-        stepped = trainer.step()
-        result.skipped_steps += not stepped
-        if result.loss_first is None:
-            result.loss_first = float(trainer.loss.item())
-        if i == 0:
-            # Compilation (torch.compile) and first-touch costs land here, untimed but recorded.
-            synchronize(device)
-            result.phases["first_step_s"] = time.perf_counter() - start
-        if i == 0 and request.abort_below_tokens_per_s is not None and not cfg.compile:
-            first = tokens_per_step / _max_across_ranks(result.phases["first_step_s"], device)
-            if first < request.abort_below_tokens_per_s / WARMUP_ABORT_SLACK:
-                result.aborted_tokens_per_s = first
-                result.phases["warmup_s"] = time.perf_counter() - phase_start
-                return result
-    for _ in range(MAX_SCALE_SETTLE_STEPS):
-        result.memory, stepped = measure_memory_step(trainer.step, rank)
-        if stepped:
-            break
-        result.skipped_steps += 1
-    if not stepped:
-        raise RuntimeError(f"fp16 loss scaling skipped every step of the warm-up, {MAX_SCALE_SETTLE_STEPS} more "
-                           "included: the gradients overflow at every scale")
-    result.phases["warmup_s"] = time.perf_counter() - phase_start
+    start = time.perf_counter()
+    hopeless = warm_up(trainer, request, rank, result, per_step)
+    if not hopeless:
+        result.memory = memory_step(trainer, rank, result)
+    result.phases["warmup_s"] = time.perf_counter() - start
+    if hopeless:
+        return result
 
     def timed_step() -> tuple[float, bool]:
         start = time.perf_counter()
@@ -161,18 +140,64 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
         synchronize(device)
         return _max_across_ranks(time.perf_counter() - start, device), stepped
 
-    dist.barrier()
-    phase_start = time.perf_counter()
-    result.step_times, skipped, result.aborted_tokens_per_s = time_steps(
-        timed_step, request.timed_steps, request.timing_ci, request.abort_below_tokens_per_s, tokens_per_step)
-    result.skipped_steps += skipped
-    result.loss_last = float(trainer.loss.item())
-    if device.type == "cuda":
-        # The allocator's pool can still grow after the memory step.
-        result.memory.peak_reserved = max(result.memory.peak_reserved, torch.cuda.max_memory_reserved(device))
-    dist.barrier()
-    result.phases["timed_s"] = time.perf_counter() - phase_start
+    with quiet_while_timing(request.quiet_lock, rank):
+        dist.barrier()
+        start = time.perf_counter()
+        result.step_times, skipped, result.aborted_tokens_per_s = time_steps(
+            timed_step, request.timed_steps, request.timing_ci, request.abort_below_tokens_per_s, per_step,
+            request.timing_budget_s)
+        result.skipped_steps += skipped
+        result.loss_last = float(trainer.loss.item())
+        if device.type == "cuda":
+            add_run_figures(result.memory, device)
+        dist.barrier()
+    result.phases["timed_s"] = time.perf_counter() - start
     return result
+
+
+def warm_up(trainer: Trainer, request: TrialRequest, rank: Rank, result: Measurement, per_step: int) -> bool:
+    """The untimed steps before the memory step (the first allocates optimizer
+    state, and compilation lands in it); True when the first already shows the
+    trial hopeless (its speed is then the trial's partial figure)."""
+    for i in range(request.warmup_steps - 1):
+        start = time.perf_counter()
+        result.skipped_steps += not trainer.step()
+        if i > 0:
+            continue
+        result.loss_first = float(trainer.loss.item())
+        synchronize(rank.device)
+        result.phases["first_step_s"] = time.perf_counter() - start
+        if request.abort_below_tokens_per_s is not None and not request.fsdp.compile:
+            first = per_step / _max_across_ranks(result.phases["first_step_s"], rank.device)
+            if first < request.abort_below_tokens_per_s / WARMUP_ABORT_SLACK:
+                result.aborted_tokens_per_s = first
+                return True
+    return False
+
+
+def memory_step(trainer: Trainer, rank: Rank, result: Measurement) -> RankMemory:
+    """Peak memory over one real optimizer step: fp16's loss scaling may skip a
+    few while its scale settles, and those are measured again."""
+    for _ in range(MAX_SCALE_SETTLE_STEPS):
+        memory, stepped = measure_memory_step(trainer.step, rank)
+        if stepped:
+            return memory
+        result.skipped_steps += 1
+    raise RuntimeError(f"fp16 loss scaling skipped every step of the warm-up, {MAX_SCALE_SETTLE_STEPS} more "
+                       "included: the gradients overflow at every scale")
+
+
+@contextlib.contextmanager
+def quiet_while_timing(lock: str | None, rank: Rank) -> Iterator[None]:
+    """Rank 0 holds the tuner's timing lock (shared) while steps are timed: the
+    tuner's background estimates on these cores wait for it to end."""
+    if lock is None or not rank.is_main:
+        yield
+        return
+    from autotune.launch.locks import shared
+
+    with shared(Path(lock)):
+        yield
 
 
 def time_steps(
@@ -181,14 +206,17 @@ def time_steps(
     timing_ci: float,
     abort_below_tokens_per_s: float | None,
     tokens_per_step: int,
+    timing_budget_s: float | None = None,
 ) -> tuple[list[float], int, float | None]:
-    """Time steps until the mean is known, the trial is hopeless, or ``timed_steps`` are done.
+    """Time steps until the median is known, the trial is hopeless, or ``timed_steps``
+    are done or ``timing_budget_s`` seconds of them have passed.
 
     ``timed_step()`` returns the step's seconds (the slowest rank's, so every
     rank decides alike) and whether the optimizer really stepped; a skipped
     step is not timed, and at most as many again are tried. Timing stops
     early when the median step time is known to within ``timing_ci`` (95%
-    confidence, after MIN_TIMED_STEPS steps) or when, after ABORT_CHECK_STEPS
+    confidence, after MIN_TIMED_STEPS steps), when the steps timed so far add
+    up to ``timing_budget_s`` (after MIN_TIMED_STEPS steps), or when, after ABORT_CHECK_STEPS
     steps, the speed is below ``abort_below_tokens_per_s`` (that partial
     figure is returned). Returns (step times, skipped steps, partial figure or None).
     """
@@ -205,7 +233,9 @@ def time_steps(
             partial = tokens_per_step / statistics.median(times)
             if partial < abort_below_tokens_per_s:
                 return times, skipped, partial
-        if timing_ci and n >= MIN_TIMED_STEPS and relative_median_ci95(times) <= timing_ci:
+        if n >= MIN_TIMED_STEPS and timing_ci and relative_median_ci95(times) <= timing_ci:
+            break
+        if n >= MIN_TIMED_STEPS and timing_budget_s is not None and sum(times) >= timing_budget_s:
             break
     if not times:
         raise RuntimeError(f"fp16 loss scaling skipped all {skipped} timed steps: the gradients overflow at every scale")
