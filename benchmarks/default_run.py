@@ -52,7 +52,7 @@ def main() -> int:
 
     extra = ["--space", "smoke", "--seq-len", "64", "--trials", "3", "--confirm", "1"] if args.quick else []
     work = Path(tempfile.mkdtemp(prefix="autotune-bench-"))
-    run, run_wall, study = run_study(work, extra)
+    run, run_wall, study = run_study(work, "20GB", extra)
     name = study.study_name
     trials = study.get_trials(deepcopy=False)
     finished = [t for t in trials if t.state == TrialState.COMPLETE and Attr.REUSED_FROM not in t.user_attrs]

@@ -56,8 +56,9 @@ print(json.dumps(peaks))
 """
 
 
-def model_flops_per_token(model: str, seq_len: int) -> float:
-    cfg = PRESETS[model]
+def model_flops_per_token(model: str | dict, seq_len: int) -> float:
+    """Training FLOPs per token of a Llama-shaped model (a preset name, or its config.json as a dict)."""
+    cfg = PRESETS[model] if isinstance(model, str) else model
     hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     ffn, heads, kv = cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = hidden // heads

@@ -203,3 +203,32 @@ def test_a_finalist_that_is_a_reference_serves_as_it_and_runs_once(tmp_path, cap
     assert summarize(run, settings(tmp_path, small, budget=500 * MiB, confirm=2)) == 0
     out = capsys.readouterr().out
     assert "The winner is the standard recipe" in out and "winner (= standard_recipe)" in out
+
+
+def test_the_frontier_spans_checkpointing_and_micro_batch_and_the_probe_orders_it(tmp_path):
+    """On a GPU, where one 2048-token sample leaves the device half idle, the standard recipe's
+    neighbourhood (checkpointing at the largest micro batch that fits) comes first; on a CPU
+    saturated by a few hundred tokens, no recompute comes first."""
+    import dataclasses
+
+    from autotune.study.search import ModelSearch, host_priors
+
+    space = settings(tmp_path, "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: bf16\n"
+                               "activation_checkpointing: [none, selective, full]\nmicro_batch_size: [1, 2, 4, 8]\n").space
+    candidates = space.enumerate(LAYER)
+
+    def fits(c):  # no checkpointing fits 1, selective 2, full 8 samples (NO_SHARD one size less)
+        limit = {"none": 1, "selective": 2, "full": 8}[c.activation_checkpointing]
+        return (1.0, None) if c.micro_batch_size * (2 if c.sharding_strategy == "NO_SHARD" else 1) <= limit else (0.0, "no")
+
+    gpu = dataclasses.replace(HOST, device_type="cuda", cuda_device_count=1, cuda_capability=(9, 0),
+                              saturation={2048: 0.45, 4096: 0.7, 8192: 0.9, 16384: 1.0})
+    cpu = dataclasses.replace(HOST, saturation={256: 1.0, 2048: 1.0, 16384: 0.98})
+    order = {}
+    for name, host in (("gpu", gpu), ("cpu", cpu)):
+        frontier = ModelSearch(candidates, LAYER, fits, host_priors(host, 2048, (1, 2, 4, 8))).frontier()
+        order[name] = [(c.sharding_strategy, c.activation_checkpointing, c.micro_batch_size) for c in frontier]
+    # The least communicating strategy that fits spans the checkpointing modes at the largest micro batch each
+    # fits (none fits nowhere here), then each other strategy once, at what the probe expects fastest.
+    assert order["gpu"] == [("NO_SHARD", "full", 4), ("NO_SHARD", "selective", 1), ("FULL_SHARD", "full", 8)]
+    assert order["cpu"] == [("NO_SHARD", "selective", 1), ("NO_SHARD", "full", 4), ("FULL_SHARD", "none", 1)]

@@ -193,15 +193,14 @@ def apply_fsdp1(
         MixedPrecision,
         ShardingStrategy,
     )
-    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy, size_based_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
-    if auto_wrap_policy == "transformer_layer":
-        # Wrap exactly the blocks (the checkpoint wrapper where there is one),
-        # so FSDP1 and FSDP2 shard the same units.
-        unit_ids = {id(b) for b in blocks}
+    # Wrap exactly the units FSDP2 would shard (the blocks, the checkpoint wrapper
+    # where there is one; or the size-based units), so FSDP1 and FSDP2 shard alike.
+    if auto_wrap_policy in ("transformer_layer", "size_based"):
+        units = blocks if auto_wrap_policy == "transformer_layer" else size_based_units(model, min_num_params)
+        unit_ids = {id(u) for u in units}
         policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in unit_ids)
-    elif auto_wrap_policy == "size_based":
-        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params)
     else:
         policy = None
     dtypes = PRECISION_DTYPES[mixed_precision]
@@ -254,7 +253,7 @@ def apply_fsdp2(
     if auto_wrap_policy == "transformer_layer":
         units = list(blocks)
     elif auto_wrap_policy == "size_based":
-        units = _size_based_units(model, min_num_params)
+        units = size_based_units(model, min_num_params)
     else:
         units = []
     for unit in units:
@@ -277,25 +276,59 @@ def apply_fsdp2_prefetch(units: list[nn.Module], forward: bool) -> None:
             unit.set_modules_to_backward_prefetch([units[i - 1]])
 
 
-def _size_based_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
-    """Post-order: shard a module once the parameters not yet in a unit below it
-    reach ``min_num_params``, as FSDP1's ``size_based_auto_wrap_policy`` does."""
+def size_based_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
+    """The units of size-based wrapping, for FSDP1 and FSDP2 alike, in post-order:
+    a module becomes a unit once the parameters not yet in a unit below it
+    reach ``min_num_params``, as FSDP1's ``size_based_auto_wrap_policy`` counts
+    them, with two exceptions that its policy does not make:
+
+    - a module that holds a parameter tied to a module outside it (a word
+      embedding tied to the output head) is never a unit: its parameters pass
+      up to a module that holds every user of the tie, so the tie is sharded
+      once, in one unit (FSDP1 otherwise fails on a flat parameter of the wrong
+      size, FSDP2 on a parameter "shared with another FSDP group");
+    - nothing inside a checkpointed block is a unit, only the block itself:
+      an all-gather inside the recomputed region runs in the recomputation
+      too, which selective checkpointing finds out of step with the forward.
+    """
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    counted: set[int] = set()
     units: list[nn.Module] = []
 
-    def visit(module: nn.Module) -> int:
-        remaining = sum(p.numel() for p in module.parameters(recurse=False))
-        remaining += sum(visit(child) for child in module.children())
+    def visit(module: nn.Module, in_checkpoint: bool) -> tuple[int, dict[int, int]]:
+        """(parameters below not yet in a unit, each once; tied parameters seen below: id -> users seen)."""
+        remaining, seen = 0, {}
+        for p in module.parameters(recurse=False):
+            if id(p) not in counted:
+                counted.add(id(p))
+                remaining += p.numel()
+            if users[id(p)] > 1:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+        inside = in_checkpoint or _is_checkpoint_wrapper(module)
+        for child in module.children():
+            count, tied = visit(child, inside)
+            remaining += count
+            for key, n in tied.items():
+                seen[key] = seen.get(key, 0) + n
+        splits_a_tie = any(n < users[key] for key, n in seen.items())
         # Containers have no forward of their own to hook, so, as in FSDP1's
         # policy, they pass their parameters up to the module that runs them.
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            return remaining
-        if module is not model and remaining >= min_num_params:
+        eligible = (module is not model and not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and not splits_a_tie
+                    and (not in_checkpoint or _is_checkpoint_wrapper(module)))
+        if eligible and remaining >= min_num_params:
             units.append(module)
-            return 0
-        return remaining
+            return 0, {}
+        return remaining, seen
 
-    visit(model)
+    visit(model, False)
     return units
+
+
+def _is_checkpoint_wrapper(module: nn.Module) -> bool:
+    return type(module).__name__ == "CheckpointWrapper"
 
 
 class Materializer:

@@ -43,6 +43,12 @@ def _transformers_config(spec: ModelSpec, num_blocks: int | None = None):
             data = json.load(f)
     model_type = data.pop("model_type")
     config = AutoConfig.for_model(model_type, **data)
+    # Training keeps no key-value cache. With one, each layer appends this
+    # step's keys to the cache, so a checkpointed layer's recomputation sees
+    # a longer cache than its forward did: selective checkpointing then fails
+    # ("aten.slice.Tensor invocation index 4 ... not found in storage") on
+    # every model whose config.json leaves use_cache at its default (true).
+    config.use_cache = False
     if num_blocks is not None:
         # attribute_map turns this into n_layer, num_layers, ... as the model names it.
         config.num_hidden_layers = num_blocks
