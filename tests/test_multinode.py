@@ -84,7 +84,9 @@ def test_a_node_lost_mid_trial_ends_it_at_once_and_leaves_nothing(tmp_path):
 
 
 @pytest.mark.torchrun
-def test_autotune_run_with_two_nodes_tunes_hybrid_and_records_the_mesh(tmp_path):
+def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_as_no_shard(tmp_path):
+    """Two nodes of one rank each: hybrid sharding's shard groups would hold one rank, so the space's
+    HYBRID_SHARD is NO_SHARD (its 2-D mesh, two replicas of one-rank shards) and is launched as that."""
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
                      "micro_batch_size: 2\n")
@@ -96,8 +98,9 @@ def test_autotune_run_with_two_nodes_tunes_hybrid_and_records_the_mesh(tmp_path)
     assert "-w1x2-" in name
     study = optuna.load_study(study_name=name, storage=storage)
     measured = [t for t in study.trials if t.user_attrs.get("status") == "ok"]
-    hybrid = [t for t in measured if t.user_attrs["config"]["sharding_strategy"] == "HYBRID_SHARD"]
-    assert hybrid and hybrid[0].user_attrs["mesh_shape"] == [2, 1] and hybrid[0].user_attrs["nnodes"] == 2
+    assert not [t for t in study.trials if t.user_attrs.get("config", {}).get("sharding_strategy") == "HYBRID_SHARD"]
+    replicated = [t for t in measured if t.user_attrs["config"]["sharding_strategy"] == "NO_SHARD"]
+    assert replicated and replicated[0].user_attrs["mesh_shape"] == [2, 1] and replicated[0].user_attrs["nnodes"] == 2
     assert all(t.user_attrs["world_size"] == 2 and t.user_attrs["nproc_per_node"] == 1 for t in measured)
     doc = json.loads((tmp_path / "studies" / name / "best_config.json").read_text())
     assert doc["nnodes"] == 2

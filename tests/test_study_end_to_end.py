@@ -50,9 +50,10 @@ def test_sqlite_holds_states_attrs_and_constraints(study_run):
     # stopped early as hopeless (under a third of the best after warm-up).
     assert len(complete) + len(stopped_early) >= 5
     launched = [t for t in complete if "reused_from" not in t.user_attrs]
-    # The baseline (SHARD_GRAD_OP) plus the smoke space's 4 configurations, some maybe reused.
+    # The baseline (the standard recipe: FSDP2 FULL_SHARD, full checkpointing) plus the smoke space's 4 configurations.
     assert complete[0].user_attrs["baseline"] is True
-    assert complete[0].user_attrs["config"]["sharding_strategy"] == "SHARD_GRAD_OP"
+    recipe = complete[0].user_attrs["config"]
+    assert (recipe["fsdp_version"], recipe["sharding_strategy"], recipe["activation_checkpointing"]) == (2, "FULL_SHARD", "full")
     for t in launched:
         attrs = t.user_attrs
         assert t.value == attrs["tokens_per_s"] > 0
@@ -143,9 +144,14 @@ def test_the_confirmation_round_re_measures_finalists_and_references_in_interlea
     assert verdict["winner"]["mean"] == max(e["mean"] for e in finalists)
     for tie in verdict["ties"]:
         assert tie["ratio_to_winner"]["ci95"][1] is None or tie["ratio_to_winner"]["ci95"][1] >= 1
-    assert set(verdict["references"]) <= {"recommended", "pytorch_defaults"} and verdict["references"]
-    for ref in verdict["references"].values():
-        assert ref["config"]["micro_batch_size"] == verdict["winner"]["config"]["micro_batch_size"]
+    assert set(verdict["references"]) <= {"standard_recipe", "pytorch_defaults"} and verdict["references"]
+    # PyTorch's defaults run at the winner's micro batch; the standard recipe as the first trial ran it.
+    for role, ref in verdict["references"].items():
+        if role == "pytorch_defaults":
+            assert ref["config"]["micro_batch_size"] == verdict["winner"]["config"]["micro_batch_size"]
+        else:
+            assert ref["config"] == next(t.user_attrs["config"] for t in _study(study_run[0]).trials
+                                         if t.user_attrs.get("baseline"))
 
 
 def test_rerun_resumes_without_measuring_again(study_run):

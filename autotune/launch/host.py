@@ -57,6 +57,13 @@ class HostInfo:
     # best (see autotune.worker.probe.saturation_curve); None when not measured.
     saturation: dict[int, float] | None = None
 
+    def __post_init__(self) -> None:
+        # Read back from JSON (a study's record, a benchmark table), the curve's keys are strings.
+        if self.saturation is not None:
+            object.__setattr__(self, "saturation", {int(k): float(v) for k, v in self.saturation.items()})
+        if self.cuda_capability is not None:
+            object.__setattr__(self, "cuda_capability", tuple(self.cuda_capability))
+
     @property
     def device_count(self) -> int:
         """Devices one trial may use: GPUs, or cores on a CPU host."""
@@ -126,10 +133,6 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
         raise UsageError(f"--model {model}: {data['error']}")
     model_data = data["model"]
     host = data["host"]
-    if host.get("cuda_capability") is not None:
-        host["cuda_capability"] = tuple(host["cuda_capability"])
-    if host.get("saturation") is not None:
-        host["saturation"] = {int(k): float(v) for k, v in host["saturation"].items()}
     return HostInfo(**host), ModelInfo(
         num_params=model_data["num_params"],
         layer_classes=tuple(model_data["layer_classes"]),
