@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -256,6 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"autotune {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # Output piped into head or less that closed early: not an error. What
+        # is still buffered has nowhere to go; without this the interpreter's
+        # final flush reports the broken pipe once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception:
         # Once the database was given up on, whatever surfaced is its echo
         # (Optuna's own clean-up fails writing too): say the cause, once.
@@ -264,10 +271,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"autotune {args.command}: stopped: {reason}", file=sys.stderr)
         return 1
-    except BrokenPipeError:
-        # Output piped into head or less that closed early: not an error.
-        sys.stderr.close()
-        return 0
     except KeyboardInterrupt as exc:
         # Before a study exists, or in a command with nothing to keep.
         code = exc.exit_code if isinstance(exc, interrupts.Interrupted) else 130

@@ -154,9 +154,9 @@ def _run(args: argparse.Namespace, forks: Any) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import random
 
-    from autotune.launch.estimator import EstimatorClient
+    from autotune.launch.estimator_client import EstimatorClient
     from autotune.launch.host import probe
-    from autotune.outputs.estimates import estimate_rows, estimates_json, estimates_table
+    from autotune.outputs.estimate_table import estimate_rows, estimates_json, estimates_table
     from autotune.presets import choose_seq_len, parse_model_spec
     from autotune.study.equivalence import Topology
     from autotune.study.margin import default_margin
@@ -249,7 +249,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from autotune.outputs.export import write_text
-    from autotune.outputs.report import build_report
+    from autotune.outputs.html_report import build_report
     from autotune.study.storage import study_dir
 
     study = _open_study(args)
@@ -293,6 +293,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     from autotune.launch import host as host_probe
     from autotune.launch import launcher
+    from autotune.config import Status
     from autotune.launch.locks import device_slot
 
     request, nproc = _read_measurable(args.file, args.nproc)
@@ -306,7 +307,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     print(json.dumps({"status": result.status, "tokens_per_s": result.tokens_per_s, "peak_memory_bytes": result.peak_memory_bytes,
                       "step_time_cv": result.step_time_cv, "wall_s": round(outcome.wall_s, 2), "trial_dir": str(trial_dir),
                       "error": result.error}, indent=2))
-    return 0 if result.status == "ok" else 1
+    return 0 if result.status == Status.OK else 1
 
 
 COMMANDS = {

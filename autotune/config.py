@@ -43,7 +43,7 @@ RESHARD_AFTER_FORWARD = {
 }
 HYBRID_STRATEGIES = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
-TRIAL_STATUSES = ("ok", "oom", "crash", "timeout", "aborted", "node_lost")
+
 # "auto" picks CUDA + NCCL when GPUs are visible, else CPU + gloo.
 DEVICES = ("auto", "cpu", "cuda")
 # What starts a trial's torchrun agents when it spans several nodes (autotune.launch.multinode).
@@ -61,6 +61,20 @@ class Choice(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+
+class Status(Choice):
+    """How a trial's torchrun job ended (a TrialResult's status)."""
+
+    OK = "ok"
+    OOM = "oom"  # out of memory (on CUDA: under the allocator cap): does not fit
+    CRASH = "crash"
+    TIMEOUT = "timeout"
+    ABORTED = "aborted"  # stopped after its first steps as hopeless
+    NODE_LOST = "node_lost"  # a node of a multi-node trial went away
+
+
+TRIAL_STATUSES = tuple(s.value for s in Status)
 
 
 class ConfigError(ValueError):

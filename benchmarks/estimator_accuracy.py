@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.launch.estimator import EstimatorClient
+from autotune.launch.estimator_client import EstimatorClient
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.launcher import launch_trial
 from autotune.presets import PRESETS
@@ -126,7 +126,7 @@ def scale_main(args: argparse.Namespace) -> int:
         f"# Estimator at scale: extrapolated against the full fake step — {datetime.date.today().isoformat()}",
         "",
         f"Machine: {machine()}. Seq len {SCALE_SEQ_LEN}, micro batch 1 unless shown. Command: `{command}`.",
-        "Both columns are the fake training step of autotune.worker.estimate at the real world size; 'exact' runs "
+        "Both columns are the fake training step of autotune.worker.fake_step at the real world size; 'exact' runs "
         "every block, 'extrapolated' runs a 3- and a 4-block copy (4 and 6 when checkpointing every other block) "
         "and extends the line. Seconds are per configuration, in the estimator's warm process.",
         "",

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.launch.estimator import EstimatorClient
+from autotune.launch.estimator_client import EstimatorClient
 from autotune.study.margin import memory_key
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.host import host_incompatibility, probe

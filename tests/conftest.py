@@ -56,9 +56,7 @@ def chromium(tmp_path):
 
     binary = shutil.which("chromium")
     if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing: .ci/run installs Debian's chromium package")
-        pytest.skip("no chromium here: apt-get install chromium")
+        pytest.fail("chromium is missing: `bash .ci/system-packages` installs Debian's chromium package")
 
     def run(url: str, *flags: str, timeout: float = 90) -> subprocess.CompletedProcess:
         profile = tmp_path / f"chromium-profile-{len(list(tmp_path.iterdir()))}"
@@ -116,3 +114,18 @@ def slurm():
         pytest.fail(f"Slurm could not start here: {exc}")
     yield cluster
     cluster.stop()
+
+
+# What a test starts, by the fixtures it uses (tests that start processes
+# themselves carry the marker by hand): see docs/testing.md.
+RESOURCE_FIXTURES = {"postgres": "server", "slurm": "server", "chromium": "browser", "forks": "torchrun"}
+RESOURCE_MARKERS = ("torchrun", "server", "browser", "bench")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for fixture, marker in RESOURCE_FIXTURES.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+        if not any(item.get_closest_marker(m) for m in RESOURCE_MARKERS):
+            item.add_marker("fast")

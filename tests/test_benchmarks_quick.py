@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.torchrun
+pytestmark = pytest.mark.bench
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 

@@ -100,3 +100,33 @@ def test_bad_input_is_one_line_and_exit_2(workspace, args, words):
         assert word.replace("{dir}", str(workspace)) in lines[0]
     assert _digest(db) == before, "a rejected command changed the study database"
     assert not (workspace / "typo.db").exists()
+
+
+def test_trials_piped_into_head_ends_without_a_traceback(tmp_path):
+    """`autotune trials | head -1`: head closes the pipe early, which is not an error."""
+    import subprocess
+    import sys
+
+    storage = f"sqlite:///{tmp_path / 'many.db'}"
+    study = optuna.create_study(study_name="many", storage=storage, direction="maximize")
+    for i in range(400):
+        trial = study.ask()
+        trial.set_user_attr("label", f"configuration {i} " + "x" * 200)
+        study.tell(trial, float(i))
+    done = subprocess.run(f"{sys.executable} -m autotune trials --storage {storage} | head -1", shell=True, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("Study many")
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
+def test_the_built_in_spaces_are_found_in_a_source_checkout_without_the_package_mapping(monkeypatch):
+    import importlib.resources
+
+    from autotune.study import space
+
+    def missing(name):
+        raise ModuleNotFoundError(name)
+
+    monkeypatch.setattr(importlib.resources, "files", missing)
+    folder = space.builtin_spaces_dir()
+    assert (folder / "default.yaml").is_file() and folder.name == "search_spaces"

@@ -84,7 +84,7 @@ def test_a_study_on_two_ranks_launches_no_hybrid_and_no_class_twice(tmp_path, sa
     space = ("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
              "HYBRID_SHARD_ZERO2]\nshard_group_size: [node, 1, 2]\nmixed_precision: bf16\nmicro_batch_size: 1\n")
     launch = ScriptedLaunch(lambda c, r: ok())
-    run = run_study(settings(tmp_path, space, trials=40, search=sampler), HOST, MODEL, launch=launch,
+    run = run_study(settings(tmp_path, space, trials=40, search=sampler, use_estimate=False), HOST, MODEL, launch=launch,
                     storage=optuna.storages.InMemoryStorage())
     assert launch.launched and not [c for c in launch.launched if c.is_hybrid]
     keys = [c.key() for c in launch.launched]

@@ -7,7 +7,7 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune.config import FsdpConfig
-from autotune.launch.estimator import EstimatorClient
+from autotune.launch.estimator_client import EstimatorClient
 from autotune.presets import PRESETS
 from tests.conftest import run_cli
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from autotune.launch.forkserver import DISABLE_VAR, ForkServer, spawn
-from autotune.launch.lifeline import process_alive
+from autotune.launch.process_life import process_alive
 
 pytestmark = pytest.mark.torchrun
 

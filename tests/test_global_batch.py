@@ -4,7 +4,7 @@ import optuna
 import pytest
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.launch.estimator import EstimatorClient
+from autotune.launch.estimator_client import EstimatorClient
 from autotune.launch.launcher import launch_trial
 from tests.conftest import run_cli
 

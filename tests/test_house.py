@@ -131,8 +131,46 @@ def test_every_trial_attribute_is_named_in_the_record_module():
     assert not literals, "use autotune.study.record.Attr / StudyAttr instead of: " + "; ".join(literals)
 
 
-@pytest.mark.parametrize("module", ["autotune.outputs.tables", "autotune.outputs.report", "autotune.outputs.dashboard",
+@pytest.mark.parametrize("module", ["autotune.outputs.tables", "autotune.outputs.html_report", "autotune.outputs.dashboard",
                                     "autotune.outputs.export", "autotune.outputs.formats"])
 def test_readers_of_the_record_do_not_import_the_orchestrator(module):
     study_parts = {m for m in _imports(MODULES[module], module) if m.startswith("autotune.study")}
     assert study_parts <= {"autotune.study.record", "autotune.study.storage"}, study_parts
+
+
+def test_no_two_modules_share_a_file_name():
+    """A name says what a module holds wherever it is read (a traceback, an import, a search)."""
+    names = defaultdict(list)
+    for path in PACKAGE.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            names[path.name].append(str(path.relative_to(REPO)))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not shared, shared
+
+
+def test_no_status_cause_role_or_stop_reason_is_spelled_outside_its_enum():
+    """Statuses, causes, roles and stop reasons travel as enums; a bare string of one is a typo waiting to happen
+    (the record's attribute names, Attr, are names of their own)."""
+    from autotune.config import Status
+    from autotune.study.record import Cause, Role
+    from autotune.study.stopping import StopReason
+
+    words = {member.value: enum.__name__ for enum in (Status, Cause, Role, StopReason) for member in enum}
+    spelled = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        enum_bodies = {id(node) for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+                       and c.name in {"Status", "Cause", "Role", "StopReason", "Attr"} for node in ast.walk(c)}
+        dict_keys = {id(k) for d in ast.walk(tree) if isinstance(d, ast.Dict) for k in d.keys if k is not None}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in words
+                    and id(node) not in enum_bodies and id(node) not in dict_keys):
+                spelled.append(f"{name}:{node.lineno} {node.value!r} (use {words[node.value]})")
+    assert not spelled, spelled
+
+
+def test_optunas_private_api_is_read_in_one_module():
+    private = ("._trial_id", "._storage", "_get_stale_trial_ids", "get_trial_system_attrs", "set_trial_system_attr")
+    outside = [f"{name}: {word}" for name, path in MODULES.items() if name != "autotune.study.optuna_internals"
+               for word in private if word in path.read_text()]
+    assert not outside, outside

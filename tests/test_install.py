@@ -130,7 +130,7 @@ for path in sorted(bench.glob("*.py")):
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 import optuna
-from autotune.study.identity import make_sampler
+from autotune.study.settings import make_sampler
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 study = optuna.create_study(sampler=make_sampler("gp", 0), direction="maximize")
 study.optimize(lambda t: t.suggest_float("x", 0, 1) - t.suggest_int("n", 1, 4), n_trials=14)

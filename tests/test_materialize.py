@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.launch.estimator import EstimatorClient
+from autotune.launch.estimator_client import EstimatorClient
 from autotune.launch.launcher import launch_trial
 from autotune.presets import PRESETS
 from tests.conftest import REPO

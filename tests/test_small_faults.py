@@ -25,7 +25,7 @@ def _settings(tmp_path, **changes):
 def test_a_study_created_by_another_tuner_meanwhile_is_joined(tmp_path, monkeypatch):
     """Two tuners starting a new study at once: one creates it between the
     other's look and create; the late one must join, not fail."""
-    import autotune.study.identity as study_module
+    import autotune.study.settings as study_module
     from autotune.study.storage import open_storage
 
     settings = _settings(tmp_path)

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from autotune.config import FsdpConfig, TrialRequest
-from autotune.launch.estimator import EstimatorClient
+from autotune.launch.estimator_client import EstimatorClient
 from autotune.launch.launcher import launch_trial
 
 pytestmark = pytest.mark.torchrun

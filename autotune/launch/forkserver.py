@@ -39,7 +39,7 @@ import time
 import traceback
 from typing import Any, Sequence
 
-from autotune.launch.lifeline import die_with_parent
+from autotune.launch.process_life import die_with_parent
 
 ENV_VAR = "AUTOTUNE_FORKSERVER"
 # Set to 1 to start every trial process as a fresh interpreter instead.

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import IO
 
 from autotune import interrupts
-from autotune.config import RankMemory, TrialRequest, TrialResult, write_json_atomic
+from autotune.config import RankMemory, Status, TrialRequest, TrialResult, write_json_atomic
 from autotune.launch.devices import CUDA_MASK, cpu_cores, physical_ids
 from autotune.launch.forkserver import ForkedProcess, ForkServer, spawn
-from autotune.launch.lifeline import die_with_parent
+from autotune.launch.process_life import die_with_parent
 
 # Seconds between SIGTERM and SIGKILL when a trial is stopped.
 KILL_GRACE_S = 5.0
@@ -225,7 +225,7 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
     """ok / aborted from ``result.json``; oom / crash from rank error files and
     exit codes; timeout when the driver had to stop the job."""
     if timed_out:
-        return TrialResult(status="timeout", error=f"no result within --trial-timeout {timeout_s:.0f}s; the job was killed", exit_code=exit_code)
+        return TrialResult(status=Status.TIMEOUT, error=f"no result within --trial-timeout {timeout_s:.0f}s; the job was killed", exit_code=exit_code)
     failures = []
     for path in sorted(trial_dir.glob("rank*.error.json")):
         try:
@@ -233,13 +233,13 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
         except (OSError, json.JSONDecodeError):
             continue
     failures.sort(key=lambda f: f.get("time", float("inf")))
-    oom = next((f for f in failures if f.get("status") == "oom"), None)
+    oom = next((f for f in failures if f.get("status") == Status.OOM), None)
     if oom is not None:
         # The figure it reached: on CUDA, its allocator's peaks and what lay outside it.
         memory = RankMemory(rank=oom.get("rank", 0), peak_allocated=oom.get("peak_allocated"),
                             peak_reserved=oom.get("peak_reserved"), outside_allocator=oom.get("outside_allocator"))
         return TrialResult(
-            status="oom",
+            status=Status.OOM,
             error=oom.get("error"),
             failed_rank=oom.get("rank"),
             exit_code=exit_code,
@@ -258,7 +258,7 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
     if died is None and failures:
         first = failures[0]
         return TrialResult(
-            status="crash",
+            status=Status.CRASH,
             error=f"rank {first.get('rank')} failed: {first.get('error')}",
             failed_rank=first.get("rank"),
             exit_code=exit_code,
@@ -268,13 +268,13 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
         how = f"was killed by {died['signal']}" if died.get("signal") else f"exited with code {died['exit_code']}"
         rank_log = trial_dir / f"rank{died['rank']}.log"
         return TrialResult(
-            status="crash",
+            status=Status.CRASH,
             error=f"rank {died['rank']} {how} without reporting an error; last lines of its log:\n{_log_tail(rank_log)}",
             failed_rank=died["rank"],
             exit_code=died["exit_code"],
         )
     return TrialResult(
-        status="crash",
+        status=Status.CRASH,
         error=f"torchrun exited with code {exit_code} and no rank reported why; log tail:\n{_log_tail(log_path)}",
         exit_code=exit_code,
     )

@@ -28,10 +28,10 @@ import uuid
 from pathlib import Path
 
 from autotune import interrupts
-from autotune.config import TrialRequest, TrialResult, write_json_atomic
+from autotune.config import Status, TrialRequest, TrialResult, write_json_atomic
 from autotune.errors import UsageError
 from autotune.launch.forkserver import ForkServer
-from autotune.launch.lifeline import die_with_parent
+from autotune.launch.process_life import die_with_parent
 from autotune.launch.launcher import POLL_S, LaunchOutcome, classify, kill_process_tree, start_torchrun, trial_env
 
 # How long the other agents get to write their ranks' error records after one
@@ -92,7 +92,7 @@ def launch_local(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
                 if agent.poll() is None:
                     kill_process_tree(agent)
     if lost is not None:
-        result = TrialResult(status="node_lost", failed_rank=None, exit_code=agents[lost].returncode,
+        result = TrialResult(status=Status.NODE_LOST, failed_rank=None, exit_code=agents[lost].returncode,
                              error=f"node {lost} was lost mid-trial: its torchrun agent was killed by "
                                    f"{signal.Signals(-agents[lost].returncode).name}; its peers were stopped")
     else:
@@ -196,8 +196,8 @@ def launch_slurm(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
                 cancel_step(job, rdzv_id)
                 kill_process_tree(step)
     result = classify(trial_dir, step.returncode, timed_out, timeout_s, log_path)
-    if result.status == "crash" and _task_lost(log_path):
-        result = TrialResult(status="node_lost", exit_code=step.returncode,
+    if result.status == Status.CRASH and _task_lost(log_path):
+        result = TrialResult(status=Status.NODE_LOST, exit_code=step.returncode,
                              error=f"a node was lost mid-trial (Slurm: {_task_lost(log_path)}); the step was ended")
     return LaunchOutcome(result=result, wall_s=time.perf_counter() - start, log_path=log_path, trial_dir=trial_dir,
                          started_at=started_at, ended_at=time.time())

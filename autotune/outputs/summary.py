@@ -9,11 +9,12 @@ from optuna.trial import TrialState
 from autotune.outputs.export import build_export, write_export
 from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
-from autotune.study.identity import RunSettings
+from autotune.study.settings import RunSettings
 from autotune.study.record import (
-    Attr, Role, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, verdict_entries, winner,
+    Attr, Cause, Role, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, verdict_entries, winner,
 )  # fmt: skip
 from autotune.study.runner import RunOutcome
+from autotune.study.stopping import StopReason
 from autotune.study.storage import study_dir
 from autotune.units import format_bytes
 
@@ -21,10 +22,10 @@ TOP_N = 5
 
 
 STOP_REASONS = {
-    "launches": "the launches asked for (--trials) are done",
-    "space exhausted": "every configuration of the space that can run here was measured or ruled out",
-    "same crash": "every launch crashed with the same error",
-    "idle draws": "the sampler kept drawing configurations already measured or ruled out",
+    StopReason.LAUNCHES: "the launches asked for (--trials) are done",
+    StopReason.SPACE_EXHAUSTED: "every configuration of the space that can run here was measured or ruled out",
+    StopReason.SAME_CRASH: "every launch crashed with the same error",
+    StopReason.IDLE_DRAWS: "the sampler kept drawing configurations already measured or ruled out",
 }
 ROLE_NAMES = {Role.STANDARD_RECIPE: "the standard recipe (FSDP2 FULL_SHARD, one unit per layer, bf16 where fast, full "
                                    "checkpointing, the largest micro batch predicted to fit)",
@@ -157,15 +158,15 @@ def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> st
     budget, text = settings.budget_bytes, settings.budget_text
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     peaks = [(t.user_attrs[Attr.PEAK_MEMORY_BYTES], t) for t in complete if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
-    failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) in ("crash", "timeout")]
+    failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) in (Cause.CRASH, Cause.TIMEOUT)]
     if peaks:
         smallest, trial = min(peaks, key=lambda p: p[0])
         return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest peak seen was "
                 f"{format_bytes(smallest)} (trial #{trial.number}, {trial.user_attrs.get(Attr.LABEL)}). Raise --mem-budget, "
                 "or add memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, "
                 "cpu_offload on GPUs) to the space.")
-    if any(t.user_attrs.get(Attr.CAUSE) == "oom" for t in complete):
-        ooms = sum(t.user_attrs.get(Attr.CAUSE) == "oom" for t in complete)
+    if any(t.user_attrs.get(Attr.CAUSE) == Cause.OOM for t in complete):
+        ooms = sum(t.user_attrs.get(Attr.CAUSE) == Cause.OOM for t in complete)
         return (f"No configuration fits in {text}: all {ooms} configurations that ran went out of memory. Add "
                 "memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, cpu_offload) "
                 "or use more devices.")
@@ -192,7 +193,7 @@ def explain_failures(failed: list) -> str:
     log = failed[-1].user_attrs.get(Attr.LOG_PATH)
     if len(signatures) == 1:
         causes = {t.user_attrs.get(Attr.CAUSE) for t in failed}
-        verb = "crashed" if causes == {"crash"} else "failed"
+        verb = "crashed" if causes == {Cause.CRASH} else "failed"
         return (f"Every trial {verb} ({len(failed)} of them), with the same error: "
                 f"{first_line(failed[-1].user_attrs.get(Attr.ERROR))} [log: {log}]. "
                 "Nothing was measured, so this says nothing about what fits; fix the error and rerun.")

@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.study.record import Attr, StudyAttr, is_feasible
+from autotune.config import Status
+from autotune.study.record import Attr, Cause, StudyAttr, is_feasible
 from autotune.units import format_bytes
 
 
@@ -14,9 +15,9 @@ def trial_outcome(trial: FrozenTrial) -> str:
     """One word for how the trial ended, finer than Optuna's state."""
     attrs = trial.user_attrs
     if trial.state == TrialState.COMPLETE:
-        if attrs.get(Attr.CAUSE) == "oom":
-            return "oom"
-        return "ok" if is_feasible(trial) else "over-budget"
+        if attrs.get(Attr.CAUSE) == Cause.OOM:
+            return Cause.OOM.value
+        return Status.OK.value if is_feasible(trial) else "over-budget"
     if trial.state == TrialState.PRUNED:
         return "stopped-early" if attrs.get(Attr.ABORTED) else "pruned"
     if trial.state == TrialState.FAIL:
@@ -29,7 +30,7 @@ def trial_cause(trial: FrozenTrial, budget_bytes: int | None) -> str:
     attrs = trial.user_attrs
     if Attr.PRUNE_REASON in attrs:
         return attrs[Attr.PRUNE_REASON]
-    if attrs.get(Attr.CAUSE) == "oom":
+    if attrs.get(Attr.CAUSE) == Cause.OOM:
         return f"out of memory on rank {attrs.get(Attr.FAILED_RANK)}"
     if trial.state == TrialState.FAIL:
         error = (attrs.get(Attr.ERROR) or "no result recorded (the tuner stopped during this trial?)").splitlines()[0]

@@ -5,14 +5,16 @@ Public API::
     from autotune.study import RunSettings, run_study
     outcome = run_study(settings, host, model)   # -> RunOutcome
 
-Modules, in the order a trial meets them: ``identity`` (what a run asks,
+Modules, in the order a trial meets them: ``settings`` (what a run asks,
 which study holds it), ``space`` (the search space), ``gate`` (the memory
 estimate before launch), ``claims`` (each configuration measured once),
 ``objective`` (draw, gate, claim, launch, record), ``record`` (the names of a
 trial's attributes, and the helpers that read them), ``stopping``,
-``reporter`` (the terminal and run.log), ``runner`` (puts them together),
+``progress`` (the terminal and run.log), ``runner`` (puts them together),
 ``storage`` (with ``mutex``, the study's lock in the database, and
-``outages``, lost connections retried) and ``margin``.
+``outages``, lost connections retried), ``margin``, ``equivalence``
+(configurations that are one program), ``baseline`` (the standard recipe)
+and the gate's parts ``figures``, ``memory_order`` and ``peak_model``.
 
 The names below load on first use: ``autotune --help`` imports this package
 (for the storage default) and must not pay for optuna.
@@ -24,10 +26,10 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
-    "RunSettings": "autotune.study.identity",
-    "check_resumable": "autotune.study.identity",
-    "default_study_name": "autotune.study.identity",
-    "load_or_create_study": "autotune.study.identity",
+    "RunSettings": "autotune.study.settings",
+    "check_resumable": "autotune.study.settings",
+    "default_study_name": "autotune.study.settings",
+    "load_or_create_study": "autotune.study.settings",
     "RunOutcome": "autotune.study.runner",
     "run_study": "autotune.study.runner",
 }

@@ -24,9 +24,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune import interrupts
 from autotune.config import FsdpConfig
-from autotune.launch.lifeline import process_alive, process_start_ticks
+from autotune.launch.process_life import process_alive, process_start_ticks
 from autotune.study.baseline import as_params
-from autotune.study.record import Attr, trial_config
+from autotune.study.optuna_internals import fail_running, reread, storage_of, trial_id
+from autotune.study.record import Attr, Cause, trial_config
 
 # Seconds between looks at a trial another tuner is measuring.
 WAIT_POLL_S = 1.0
@@ -93,7 +94,7 @@ class Claims:
                 continue
             if t.state == TrialState.PRUNED and not t.user_attrs.get(Attr.ABORTED):
                 continue
-            if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) != "crash":
+            if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) != Cause.CRASH:
                 continue
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
                 finished = finished or t
@@ -108,7 +109,7 @@ class Claims:
             # Optuna's heartbeat check: a trial of any host whose heartbeat is
             # older than the grace period becomes FAIL and is queued again.
             optuna.storages.fail_stale_trials(self.study)
-            current = self.study._storage.get_trial(other._trial_id)
+            current = reread(self.study, other)
             if current.state.is_finished() or not runner_alive(current):
                 return
             time.sleep(WAIT_POLL_S)
@@ -124,7 +125,7 @@ def mark_dead_tuners_trial(storage: Any, trial_id: int) -> bool:
     from optuna.exceptions import UpdateFinishedTrialError
 
     try:
-        write_cause(storage, trial_id, "tuner died", DEAD_TUNER_ERROR)
+        write_cause(storage, trial_id, Cause.TUNER_DIED, DEAD_TUNER_ERROR)
     except UpdateFinishedTrialError:
         return False
     return True
@@ -141,7 +142,7 @@ def recover_stale_trials(study: optuna.Study, say: Callable[[str], None]) -> int
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if runner_alive(t):
             continue
-        fail(study, t, "tuner died", "the autotune process running this trial died; the trial was queued again")
+        fail(study, t, Cause.TUNER_DIED, "the autotune process running this trial died; the trial was queued again")
         requeue(study, t)
         say(f"Trial #{t.number} was left RUNNING by a tuner that died; marked failed and queued again.")
         recovered += 1
@@ -165,8 +166,8 @@ def settle_interrupted(study: optuna.Study, name: str) -> list[int]:
         if not mine:
             continue
         if t.state == TrialState.RUNNING:
-            fail(study, t, "interrupted", f"the tuner was stopped by {name} during this trial; it was queued to run again")
-        elif not (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == "interrupted"):
+            fail(study, t, Cause.INTERRUPTED, f"the tuner was stopped by {name} during this trial; it was queued to run again")
+        elif not (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == Cause.INTERRUPTED):
             continue
         if t.number not in retried and trial_config(t) is not None:
             requeue(study, t)
@@ -181,8 +182,8 @@ def write_cause(storage: Any, trial_id: int, cause: str, error: str) -> None:
 
 
 def fail(study: optuna.Study, trial: FrozenTrial, cause: str, error: str) -> None:
-    write_cause(study._storage, trial._trial_id, cause, error)
-    study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+    write_cause(storage_of(study), trial_id(trial), cause, error)
+    fail_running(study, trial)
 
 
 def requeue(study: optuna.Study, trial: FrozenTrial) -> None:

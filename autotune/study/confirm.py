@@ -27,7 +27,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from autotune.config import FsdpConfig
+from autotune.config import FsdpConfig, Status
 from autotune.launch.host import HostInfo, host_incompatibility
 from autotune.stats import mean_ci95
 from autotune.study.baseline import as_params, standard_recipe
@@ -51,7 +51,7 @@ def choose_finalists(study: optuna.Study) -> list[Any]:
     """The search trials (one per configuration, best first) within the noise of the best."""
     best_per_key: dict[str, Any] = {}
     for t in search_trials(study):
-        if is_feasible(t) and t.user_attrs.get(Attr.STATUS) == "ok" and Attr.REUSED_FROM not in t.user_attrs:
+        if is_feasible(t) and t.user_attrs.get(Attr.STATUS) == Status.OK and Attr.REUSED_FROM not in t.user_attrs:
             key = trial_config(t).key()
             if key not in best_per_key or t.value > best_per_key[key].value:
                 best_per_key[key] = t
@@ -111,7 +111,7 @@ def rounds_held(study: optuna.Study, cfg: FsdpConfig) -> set[int]:
     for t in study.get_trials(deepcopy=False):
         if not is_confirmation(t):
             continue
-        measured = t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.STATUS) == "ok"
+        measured = t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.STATUS) == Status.OK
         if not (measured or t.state in (TrialState.WAITING, TrialState.RUNNING)):
             continue
         fixed = t.system_attrs.get("fixed_params")
@@ -141,7 +141,7 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
     for t in study.get_trials(deepcopy=False):
         cfg = trial_config(t)
         if not (is_confirmation(t) and cfg and cfg.key() in values and t.state == TrialState.COMPLETE
-                and t.user_attrs.get(Attr.STATUS) == "ok"):
+                and t.user_attrs.get(Attr.STATUS) == Status.OK):
             continue
         values[cfg.key()][t.user_attrs[Attr.CONFIRMATION_ROUND]] = t.value
         peaks[cfg.key()] = max(peaks.get(cfg.key(), 0), t.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0))

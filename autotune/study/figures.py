@@ -67,7 +67,7 @@ class FakeStepFigures:
                 return None
             figure = interpolate(points[max(below)], points[min(above)], max(below), min(above), mbs)
         if cfg.compile:
-            # Compiled blocks are estimated as their eager step (see autotune.worker.estimate).
+            # Compiled blocks are estimated as their eager step (see autotune.worker.fake_step).
             figure = {**figure, "method": f"{figure.get('method')}{COMPILE_NOTE}"}
         return figure
 

@@ -13,7 +13,7 @@ before it may launch, as cheaply as the answer allows:
 2. the memory order (:mod:`autotune.study.memory_order`): needing at least as
    much as a configuration known not to fit, or no more than one known to fit
    (measured, or predicted with the margin's high side);
-3. only then a fake step (:mod:`autotune.worker.estimate`), of the micro batch
+3. only then a fake step (:mod:`autotune.worker.fake_step`), of the micro batch
    asked for when it is the space's smallest or largest, else of both ends.
 """
 

@@ -1,6 +1,6 @@
 """The device margin on top of a predicted tensor peak, calibrated by what the study measured.
 
-The fake step (:mod:`autotune.worker.estimate`) counts tensor bytes: what a
+The fake step (:mod:`autotune.worker.fake_step`) counts tensor bytes: what a
 CPU trial measures, and what CUDA's caching allocator must hold (its
 *allocated* peak). On CUDA the trial caps that allocator at the budget less
 the device memory outside it (context, NCCL, cuBLAS), so a configuration fits
@@ -56,7 +56,7 @@ class Sample:
 
 
 def method_class(method: str | None) -> str:
-    """"derived" for figures partly derived rather than run (see autotune.worker.estimate),
+    """"derived" for figures partly derived rather than run (see autotune.worker.fake_step),
     "interpolated" for a micro batch between two fake steps, else "exact"."""
     if method and "derived" in method:
         return "derived"

@@ -20,20 +20,21 @@ from typing import Callable
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.config import FsdpConfig, TrialRequest, TrialResult
+from autotune.config import FsdpConfig, Status, TrialRequest, TrialResult
 from autotune.interrupts import Interrupted
 from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launch.launcher import LaunchOutcome
 from autotune.launch.locks import device_slot
 from autotune.study.claims import Claims, runner_identity
 from autotune.study.equivalence import Topology, canonical
+from autotune.study.optuna_internals import fixed_params
 from autotune.study.gate import MemoryGate
-from autotune.study.identity import RunSettings
+from autotune.study.settings import RunSettings
 from autotune.study.record import (
-    CONSTRAINT_KEY, Attr, best_search_trial, copy_measurement, crash_signature, first_line, set_constraint, trial_config,
+    CONSTRAINT_KEY, Attr, Cause, best_search_trial, copy_measurement, crash_signature, first_line, set_constraint, trial_config,
     write_failure, write_measurement, write_memory,
 )  # fmt: skip
-from autotune.study.reporter import Reporter
+from autotune.study.progress import Reporter
 from autotune.study.search import ModelSearch, PlannedSampler, config_params
 from autotune.study.space import SearchSpace
 from autotune.units import format_bytes
@@ -74,7 +75,7 @@ class RunCounts:
 
     def note_launch(self, result: TrialResult, log_path: str) -> None:
         """Keep the crashes of a run in which every launch so far crashed."""
-        if self.every_launch_crashed and result.status == "crash":
+        if self.every_launch_crashed and result.status == Status.CRASH:
             self.crashes.append((crash_signature(result.error), log_path))
             self.last_crash = first_line(result.error)
         else:
@@ -87,7 +88,7 @@ def draw(trial: optuna.Trial, study: optuna.Study, space: SearchSpace, layer_cla
     baseline, a seed, a retry, a confirmation round: it may hold values outside
     the space file), else autotune's proposal, else the Optuna sampler's draw;
     in each case the simplest member of its class (see :mod:`autotune.study.equivalence`)."""
-    fixed = trial.storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
+    fixed = fixed_params(trial)
     if not fixed and search is not None:
         proposal = search.propose(study)
         if proposal is None:
@@ -104,8 +105,18 @@ def draw(trial: optuna.Trial, study: optuna.Study, space: SearchSpace, layer_cla
     return cfg
 
 
-# The cause a failed trial is recorded with, where it differs from the status.
-FAILURE_CAUSES = {"node_lost": "node lost"}
+def record_out_of_memory(trial: optuna.Trial, result: TrialResult, budget_bytes: int) -> str:
+    """An infeasible trial, with the figure it reached and the cap it could not stay under; its line."""
+    write_failure(trial, result, Cause.OOM)
+    write_memory(trial, result)
+    trial.set_user_attr(Attr.FITS_BUDGET, False)
+    peak = int(result.peak_memory_bytes or 0)
+    if peak:
+        trial.set_user_attr(Attr.PEAK_MEMORY_BYTES, peak)
+    set_constraint(trial, float(max(peak - budget_bytes, 1)))
+    reached = f", having reached {format_bytes(peak)}" if peak else ""
+    under = f" under its cap of {format_bytes(result.memory_cap_bytes)}" if result.memory_cap_bytes else ""
+    return f"out of memory on rank {result.failed_rank}{under}{reached}: infeasible"
 
 
 def topology_of(settings: RunSettings, model: ModelInfo) -> Topology:
@@ -136,7 +147,7 @@ class Objective:
             # Ctrl-C or SIGTERM (later signals are ignored, so this is recorded):
             # Optuna marks the trial FAIL and re-raises.
             name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
-            trial.set_user_attr(Attr.CAUSE, "interrupted")
+            trial.set_user_attr(Attr.CAUSE, Cause.INTERRUPTED)
             trial.set_user_attr(Attr.ERROR, f"the tuner was stopped by {name} during this trial; it was queued to run again")
             raise
 
@@ -144,15 +155,15 @@ class Objective:
         cfg = self._draw(trial)
         if Attr.CONFIRMATION_ROUND in trial.user_attrs:
             # A fresh re-measurement of a finalist: never reused, never stopped early.
-            self._count("confirmed")
+            self._tally(confirmed=1)
             return self._launch(trial, cfg, abort=False)
         reason = host_incompatibility(cfg, self.host, self.settings.nnodes, self.settings.world_size)
         if reason is None:
             reason = self.gate.check(trial, cfg)
             if reason is not None:
-                self._count("predicted_over")
+                self._tally(predicted_over=1)
         if reason is not None:
-            self._count("pruned", idle=True)
+            self._tally(pruned=1, idle=True)
             trial.set_user_attr(Attr.PRUNE_REASON, reason)
             self._line(trial, cfg, f"not launched: {reason}")
             raise optuna.TrialPruned(reason)
@@ -161,7 +172,7 @@ class Objective:
         previous = self.claims.claim(trial, cfg, on_wait)
         if previous is not None:
             return self._reuse(trial, previous)
-        self._count("launched", idle=False)
+        self._tally(launched=1, idle=False)
         return self._launch(trial, cfg)
 
     def _draw(self, trial: optuna.Trial) -> FsdpConfig:
@@ -174,7 +185,7 @@ class Objective:
         return cfg
 
     def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> float:
-        self._count("reused", idle=True)
+        self._tally(reused=1, idle=True)
         copy_measurement(trial, previous)
         self._line(trial, trial_config(previous), f"same configuration as trial #{previous.number}, not launched again")
         if previous.state == TrialState.PRUNED:
@@ -213,14 +224,14 @@ class Objective:
     def _record(self, trial: optuna.Trial, cfg: FsdpConfig, result: TrialResult, best: float | None) -> float:
         self._note_crash(trial, result)
         budget = self.settings.budget_bytes
-        if result.status == "ok":
+        if result.status == Status.OK:
             peak = write_measurement(trial, result, budget)
             fit = "fits" if peak <= budget else f"OVER budget by {format_bytes(peak - budget)}"
             self._line(trial, cfg, f"{result.tokens_per_s:,.0f} tok/s, peak {format_bytes(peak)} ({fit}), "
                                    f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
             return float(result.tokens_per_s)
-        if result.status == "aborted":
-            self._count("aborted")
+        if result.status == Status.ABORTED:
+            self._tally(aborted=1)
             reason = (f"hopeless: {result.tokens_per_s:,.0f} tok/s over the first timed steps, under 1/{ABORT_FACTOR:g} "
                       f"of the best {best:,.0f}")
             trial.set_user_attr(Attr.ABORTED, True)
@@ -229,21 +240,12 @@ class Objective:
             trial.report(float(result.tokens_per_s), step=0)
             self._line(trial, cfg, f"stopped early, {reason}")
             raise optuna.TrialPruned(reason)
-        if result.status == "oom":
+        if result.status == Status.OOM:
             # Out of memory is an answer, not a failure: it does not fit (on CUDA: not under the cap).
-            write_failure(trial, result, "oom")
-            write_memory(trial, result)
-            trial.set_user_attr(Attr.FITS_BUDGET, False)
-            peak = int(result.peak_memory_bytes or 0)
-            if peak:
-                trial.set_user_attr(Attr.PEAK_MEMORY_BYTES, peak)
-            set_constraint(trial, float(max(peak - budget, 1)))
-            reached = f", having reached {format_bytes(peak)}" if peak else ""
-            under = f" under its cap of {format_bytes(result.memory_cap_bytes)}" if result.memory_cap_bytes else ""
-            self._line(trial, cfg, f"out of memory on rank {result.failed_rank}{under}{reached}: infeasible")
+            self._line(trial, cfg, record_out_of_memory(trial, result, budget))
             return 0.0
-        self._count("failed")
-        write_failure(trial, result, FAILURE_CAUSES.get(result.status, result.status))
+        self._tally(failed=1)
+        write_failure(trial, result, Cause.of(result.status))
         self._line(trial, cfg, f"FAILED ({result.status}): {first_line(result.error)} [log: {trial.user_attrs[Attr.LOG_PATH]}]")
         raise TrialFailed(f"{result.status}: {result.error}")
 
@@ -255,11 +257,15 @@ class Objective:
         best = best_search_trial(self.study)
         return best.value if best is not None else None
 
-    def _count(self, name: str, idle: bool | None = None) -> None:
+    def _tally(self, launched: int = 0, pruned: int = 0, reused: int = 0, failed: int = 0, aborted: int = 0,
+               confirmed: int = 0, predicted_over: int = 0, idle: bool | None = None) -> None:
+        """Add to this run's counts (slots run in threads); ``idle``: whether the draw launched nothing."""
         with self._lock:
-            setattr(self.counts, name, getattr(self.counts, name) + 1)
+            c = self.counts
+            c.launched, c.pruned, c.reused, c.failed = c.launched + launched, c.pruned + pruned, c.reused + reused, c.failed + failed
+            c.aborted, c.confirmed, c.predicted_over = c.aborted + aborted, c.confirmed + confirmed, c.predicted_over + predicted_over
             if idle is not None:
-                self.counts.idle_draws = self.counts.idle_draws + 1 if idle else 0
+                c.idle_draws = c.idle_draws + 1 if idle else 0
 
     def _line(self, trial: optuna.Trial, cfg: FsdpConfig, text: str) -> None:
         self.reporter.trial(trial.number, cfg.describe(), text, self.counts.launched, self.best_value())

@@ -20,8 +20,9 @@ import json
 import re
 from typing import Any
 
-from autotune.config import Choice, FsdpConfig, TrialResult
+from autotune.config import Choice, FsdpConfig, Status, TrialResult
 from autotune.study.margin import Sample
+from autotune.study.optuna_internals import set_system_attr
 
 METRIC_NAME = "tokens_per_s"
 CONSTRAINT_KEY = "peak_memory_over_budget"
@@ -109,6 +110,22 @@ class Role(Choice):
     # largest micro batch predicted to fit: what users write by hand, and the first trial.
     STANDARD_RECIPE = "standard_recipe"
     PYTORCH_DEFAULTS = "pytorch_defaults"  # FullyShardedDataParallel(model) as it comes, at the winner's micro batch
+
+
+class Cause(Choice):
+    """Why a trial is not a usable measurement (its ``cause`` attribute)."""
+
+    OOM = "oom"  # out of memory: infeasible, a COMPLETE trial
+    CRASH = "crash"
+    TIMEOUT = "timeout"
+    NODE_LOST = "node lost"
+    TUNER_DIED = "tuner died"
+    INTERRUPTED = "interrupted"
+
+    @classmethod
+    def of(cls, status: str) -> "Cause":
+        """The cause a failed trial is recorded with, from its result's status."""
+        return {Status.NODE_LOST: cls.NODE_LOST}.get(status) or cls(status)
 
 
 class StudyAttr:
@@ -219,9 +236,7 @@ def set_constraint(trial: Any, violation: float) -> None:
     the older ``constraints`` list. Both are written so the two agree.
     """
     trial.set_constraint(CONSTRAINT_KEY, violation)
-    # Optuna has no public setter for system attrs any more; this is the one
-    # its own set_constraint uses.
-    trial.storage.set_trial_system_attr(trial._trial_id, "constraints", [violation])
+    set_system_attr(trial, "constraints", [violation])
 
 
 def write_memory(trial: Any, result: TrialResult) -> None:
@@ -270,10 +285,10 @@ def measured_samples(study: Any, budget_bytes: int) -> list[Sample]:
         if not predicted or Attr.REUSED_FROM in attrs:
             continue
         outside = attrs.get(Attr.OUTSIDE_ALLOCATOR_BYTES)
-        if attrs.get(Attr.STATUS) == "ok":
+        if attrs.get(Attr.STATUS) == Status.OK:
             # Trials recorded before tensor peaks were kept: the device peak less what lies outside.
             needed = attrs.get(Attr.TENSOR_PEAK_BYTES) or attrs.get(Attr.PEAK_MEMORY_BYTES, 0) - (outside or 0)
-        elif attrs.get(Attr.STATUS) == "oom" and attrs.get(Attr.MEMORY_CAP_BYTES):
+        elif attrs.get(Attr.STATUS) == Status.OOM and attrs.get(Attr.MEMORY_CAP_BYTES):
             needed = attrs[Attr.MEMORY_CAP_BYTES] + 1
         else:
             continue

@@ -33,12 +33,13 @@ from autotune.study.baseline import as_params, enqueue_baseline, standard_recipe
 from autotune.study.equivalence import canonical
 from autotune.study.claims import Claims, recover_stale_trials, settle_interrupted
 from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate
-from autotune.study.identity import RunSettings, check_resumable, load_or_create_study, make_sampler
+from autotune.study.settings import RunSettings, check_resumable, load_or_create_study, make_sampler
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed, topology_of
+from autotune.study.optuna_internals import storage_of
 from autotune.study.record import Role, StudyAttr
-from autotune.study.reporter import Reporter
+from autotune.study.progress import Reporter
 from autotune.study.search import ModelSearch, held_keys, host_priors
-from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper
+from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper, StopReason
 from autotune.study.storage import open_storage, study_dir
 
 # At most this many configurations excluded before launch are kept as examples.
@@ -52,7 +53,7 @@ class RunOutcome:
     plan: GatePlan
     elapsed_s: float
     # Why the search stopped: launches, space exhausted, same crash, idle draws; None if it never ran.
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     # The stop request that ended the run early, if one did.
     interrupted: interrupts.Interrupted | None = None
     # The confirmation round's verdict (also the study's "confirmation" attribute), if one ran.
@@ -155,7 +156,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     folder = study_dir(settings.storage_url, settings.study_name)
     reporter = Reporter(folder, settings.trials, settings.quiet)
     if settings.use_estimate and estimator is None:
-        from autotune.launch.estimator import EstimatorClient
+        from autotune.launch.estimator_client import EstimatorClient
 
         estimator = EstimatorClient(settings.model, settings.world_size, settings.nnodes, settings.seq_len,
                                     timeout_s=settings.trial_timeout_s, global_batch_size=settings.global_batch_size,
@@ -169,7 +170,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
         search = ModelSearch(candidates, model.layer_classes, gate, priors, seed=settings.seed,
                              use_frontier=settings.seed_frontier, say=reporter.say)
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
-                          gate=gate, claims=Claims(study, study_mutex(study._storage, settings.study_name, folder / "claims.lock"),
+                          gate=gate, claims=Claims(study, study_mutex(storage_of(study), settings.study_name, folder / "claims.lock"),
                                         settings.trial_timeout_s + 60),
                           reporter=reporter, folder=folder, search=search,
                           sampler=sampler if search is not None else None)
@@ -203,11 +204,12 @@ def _search(parts: _Parts, on_trial_complete) -> None:
     study, settings = parts.study, parts.settings
     parts.gate.start()
     if parts.search is not None and parts.gate.plan.active and not study.get_trials(deepcopy=False):
-        # Before the first trial every core is free: the fake steps the recipe and
-        # the frontier ask for first are made side by side.
+        # Before the first trial every core is free: the standard recipe's fake steps are made side by
+        # side now, and the frontier's first ones in the background while the recipe's trial runs.
         recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.space)
         sizes = sorted(settings.space.choices.get("micro_batch_size", (1,)))
-        parts.gate.prefetch([recipe.replace(micro_batch_size=m) for m in (sizes[0], sizes[-1])] + parts.search.first_needs())
+        parts.gate.prefetch([recipe.replace(micro_batch_size=m) for m in (sizes[0], sizes[-1])])
+        parts.gate.speculate(parts.search.first_needs())
     # Several tuners may start on one study at once: one of them enqueues the first trials.
     with parts.objective.claims.mutex():
         if not study.get_trials(deepcopy=False):
@@ -221,7 +223,7 @@ def _search(parts: _Parts, on_trial_complete) -> None:
         recover_stale_trials(study, parts.reporter.say)
     if parts.stopper.nothing_left(study):
         parts.reporter.say("Every configuration of the space that can run here was measured (or ruled out) in earlier runs.")
-        parts.stopper.reason = "space exhausted"
+        parts.stopper.reason = StopReason.SPACE_EXHAUSTED
         return
     if parts.forks is not None and not parts.forks.ready():
         parts.reporter.say(f"Fork server unavailable ({parts.forks.error}); each trial starts fresh interpreters.")

@@ -32,9 +32,9 @@ import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.config import SEARCH_FIELDS, FsdpConfig
+from autotune.config import SEARCH_FIELDS, FsdpConfig, Status
 from autotune.launch.host import HostInfo
-from autotune.study.record import Attr, trial_config
+from autotune.study.record import Attr, Cause, trial_config
 
 # Prior on each choice's effect on log tokens/s (standard deviation), and the
 # floor of the noise between trials of one configuration.
@@ -108,7 +108,7 @@ def config_params(cfg: FsdpConfig) -> dict[str, Any]:
 
 
 # Failures that may not repeat: the configuration is worth another launch.
-RETRIED_CAUSES = ("timeout", "node lost")
+RETRIED_CAUSES = (Cause.TIMEOUT, Cause.NODE_LOST)
 
 
 def held_keys(study: optuna.Study, layer_classes: tuple[str, ...]) -> set[str]:
@@ -381,7 +381,7 @@ def observations(study: optuna.Study, encoder: "_Encoder") -> tuple[list[np.ndar
         if cfg is None or Attr.REUSED_FROM in t.user_attrs:
             continue
         value = None
-        if t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.STATUS) == "ok":
+        if t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.STATUS) == Status.OK:
             value = t.value
         elif t.user_attrs.get(Attr.ABORTED):
             value = t.user_attrs.get(Attr.TOKENS_PER_S_PARTIAL)

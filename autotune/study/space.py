@@ -33,7 +33,8 @@ def builtin_spaces_dir() -> Path:
 
         return Path(str(files("autotune.search_spaces")))
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / "search_spaces"
+        # autotune/study/space.py -> the checkout's root, which holds search_spaces/.
+        return Path(__file__).resolve().parents[2] / "search_spaces"
 
 
 @dataclass(frozen=True)

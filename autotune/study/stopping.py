@@ -7,8 +7,9 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.study.record import Attr, trial_config
-from autotune.study.reporter import Reporter
+from autotune.config import Choice
+from autotune.study.record import Attr, Cause, trial_config
+from autotune.study.progress import Reporter
 from autotune.study.objective import RunCounts
 
 # Stop drawing when this many draws in a row launch nothing (all pruned or
@@ -18,6 +19,15 @@ MAX_IDLE_DRAWS = 200
 # one and the same error while nothing in the study was ever measured: the
 # model or the host is broken, not a configuration.
 SAME_CRASH_LIMIT = 3
+
+
+class StopReason(Choice):
+    """Why a run's search stopped."""
+
+    LAUNCHES = "launches"  # the launches asked for are done
+    SPACE_EXHAUSTED = "space exhausted"  # everything that can run here is measured or ruled out
+    SAME_CRASH = "same crash"  # every launch crashed alike: the model or the host is broken
+    IDLE_DRAWS = "idle draws"  # an Optuna sampler kept drawing what was settled
 
 
 class Stopper:
@@ -38,28 +48,28 @@ class Stopper:
         reason = self.why_stop(study)
         if reason is not None:
             self.reason = reason
-            if reason != "launches":
+            if reason != StopReason.LAUNCHES:
                 self.reporter.say(self.explain(reason))
             study.stop()
 
-    def why_stop(self, study: optuna.Study) -> str | None:
+    def why_stop(self, study: optuna.Study) -> StopReason | None:
         if self.counts.launched >= self.trials:
-            return "launches"
+            return StopReason.LAUNCHES
         if self.nothing_left(study):
-            return "space exhausted"
+            return StopReason.SPACE_EXHAUSTED
         if self.same_crash_every_time(study):
-            return "same crash"
+            return StopReason.SAME_CRASH
         if self.counts.idle_draws >= MAX_IDLE_DRAWS:
-            return "idle draws"
+            return StopReason.IDLE_DRAWS
         return None
 
     def explain(self, reason: str) -> str:
-        if reason == "space exhausted":
+        if reason == StopReason.SPACE_EXHAUSTED:
             excluded = len(self.search.excluded) if self.search is not None else 0
             return (f"Every configuration of the space that can run here has been measured"
                     + (f" or ruled out before launch ({excluded} predicted not to fit)" if excluded else "")
                     + f"; stopping after {self.counts.launched} of the {self.trials} launches asked for.")
-        if reason == "same crash":
+        if reason == StopReason.SAME_CRASH:
             _, log = self.counts.crashes[-1]
             return (f"Stopping: all {len(self.counts.crashes)} trials launched crashed with the same error, "
                     f"{self.counts.last_crash} [log: {log}]")
@@ -83,7 +93,7 @@ class Stopper:
             return False
         settled = {trial_config(t).key() for t in study.get_trials(deepcopy=False)
                    if trial_config(t) and (t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-                                           or (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == "crash"))}
+                                           or (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == Cause.CRASH))}
         return self.space_keys <= settled
 
     def same_crash_every_time(self, study: optuna.Study) -> bool:
@@ -94,5 +104,5 @@ class Stopper:
             return False
         if len({signature for signature, _ in crashes}) != 1:
             return False
-        return not any(t.user_attrs.get(Attr.TOKENS_PER_S) or t.user_attrs.get(Attr.CAUSE) == "oom"
+        return not any(t.user_attrs.get(Attr.TOKENS_PER_S) or t.user_attrs.get(Attr.CAUSE) == Cause.OOM
                        for t in study.get_trials(deepcopy=False))

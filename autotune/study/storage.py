@@ -216,7 +216,13 @@ def _storage_class() -> type:
 
     from autotune.launch.locks import exclusive
 
-    class HostSerializedRDBStorage(_resilient(RDBStorage)):
+    from autotune.study.claims import mark_dead_tuners_trial
+    from autotune.study.optuna_internals import with_stale_trial_hook
+
+    # Optuna fails the trials its heartbeat check finds stale, then calls the
+    # stale-trial callback; the cause must be written before, while the trial
+    # is still RUNNING. Every tuner that sees it stale writes the same cause.
+    class HostSerializedRDBStorage(with_stale_trial_hook(_resilient(RDBStorage), mark_dead_tuners_trial)):
         """RDBStorage whose WAITING -> RUNNING step is atomic across threads and processes.
 
         Optuna takes an enqueued trial by reading that it is WAITING and writing
@@ -229,14 +235,6 @@ def _storage_class() -> type:
             # Optuna may rewrite self.url; the lock must follow what the user gave.
             self._autotune_url = url
             super().__init__(url, **kwargs)
-
-        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-            # Optuna fails what this returns, then calls the stale-trial
-            # callback; the cause must be written before, while the trial is
-            # still RUNNING. Every tuner that sees it stale writes the same cause.
-            from autotune.study.claims import mark_dead_tuners_trial
-
-            return [t for t in super()._get_stale_trial_ids(study_id) if mark_dead_tuners_trial(self, t)]
 
         def set_trial_state_values(self, trial_id, state, values=None):  # type: ignore[override]
             try:

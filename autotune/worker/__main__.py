@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autotune.config import TrialRequest, load_request, write_json_atomic
+from autotune.config import Status, TrialRequest, load_request, write_json_atomic
 from autotune.worker.failures import is_out_of_memory
-from autotune.worker.report import build_result
-from autotune.launch.lifeline import die_with_parent
+from autotune.worker.result import build_result
+from autotune.launch.process_life import die_with_parent
 from autotune.worker.runtime import init_distributed
 
 # DTensor warns that its random ops on a CPU mesh are not rank-coordinated; the
@@ -91,7 +91,7 @@ def _failure_record(exc: BaseException, rank: int) -> dict:
         # Peers of a failed rank fail next (their collectives break): the
         # earliest record is the root cause.
         "time": time.time(),
-        "status": "oom" if is_out_of_memory(exc) else "crash",
+        "status": Status.OOM if is_out_of_memory(exc) else Status.CRASH,
         "error": f"{type(exc).__name__}: {exc}"[:2000],
         "traceback": traceback.format_exc()[-8000:],
     }

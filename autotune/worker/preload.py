@@ -27,12 +27,16 @@ def preload(model: str | None = None) -> None:
     from transformers.models.llama import modeling_llama  # noqa: F401
 
     import autotune.worker.__main__  # noqa: F401
-    from autotune.worker import estimate, fsdp, models, probe, train  # noqa: F401
+    from autotune.worker import fake_step, fsdp, models, probe, train  # noqa: F401
 
     if model is not None:
         # The study's model class and its module: without them a rank of a
         # 1.5B-parameter Qwen2 spent 2.7 s of its start-up importing them.
         models.import_model_code(model)
+
+
+# The forked child's answer when CUDA worked for it.
+KERNEL_RAN = "a kernel ran"
 
 
 def forked_cuda_works(timeout_s: float = 120.0) -> str | None:
@@ -52,7 +56,7 @@ def forked_cuda_works(timeout_s: float = 120.0) -> str | None:
 
             torch.cuda.init()
             value = float(torch.ones(4, device="cuda").sum().item())
-            answer = "ok" if value == 4.0 else f"a kernel computed {value}, not 4.0"
+            answer = KERNEL_RAN if value == 4.0 else f"a kernel computed {value}, not 4.0"
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             answer = f"{type(exc).__name__}: {exc}"
         os.write(write_fd, answer.encode()[:4000])
@@ -66,7 +70,7 @@ def forked_cuda_works(timeout_s: float = 120.0) -> str | None:
     if not ready:
         os.kill(pid, 9)
     os.waitpid(pid, 0)
-    return None if answer == "ok" else answer
+    return None if answer == KERNEL_RAN else answer
 
 
 def main(argv: list[str]) -> int:

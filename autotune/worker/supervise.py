@@ -23,7 +23,7 @@ from typing import IO, Any
 
 from autotune.launch import forkserver
 from autotune.config import write_json_atomic
-from autotune.launch.lifeline import die_with_parent
+from autotune.launch.process_life import die_with_parent
 
 
 def rank_cores(cores: list[int], local_rank: int, local_world_size: int) -> list[int]:

@@ -1,11 +1,11 @@
 """The memory estimator's processes: each estimate forked from the fork server, or one long-lived server of its own.
 
 The prediction comes from the worker side (a fake training step; see
-:mod:`autotune.worker.estimate`), run out of the driver so that it never
+:mod:`autotune.worker.fake_step`), run out of the driver so that it never
 imports torch. With a ready fork server (:mod:`autotune.launch.forkserver`)
 every estimate is a process forked from it: no imports to pay, several at
 once where the host has cores to spare, each on the cores it is given.
-Without one, ``python -m autotune.worker.estimate --serve`` pays the imports
+Without one, ``python -m autotune.worker.fake_step --serve`` pays the imports
 once and answers one estimate at a time. The device margin on top of it is
 :mod:`autotune.study.margin`.
 """
@@ -25,14 +25,14 @@ from typing import Any
 from autotune import interrupts
 from autotune.config import FsdpConfig
 from autotune.launch.forkserver import ForkServer, run_forked
-from autotune.launch.lifeline import die_with_parent
+from autotune.launch.process_life import die_with_parent
 
 # How often a waiting estimate looks for a stop request from another thread.
 POLL_S = 0.25
 
 
 class EstimatorClient:
-    """A long-lived ``python -m autotune.worker.estimate --serve``; thread-safe."""
+    """A long-lived ``python -m autotune.worker.fake_step --serve``; thread-safe."""
 
     def __init__(self, model: str, world_size: int, nnodes: int, seq_len: int, timeout_s: float = 600,
                  global_batch_size: int | None = None, exact: bool = False, forks: ForkServer | None = None) -> None:
@@ -51,7 +51,7 @@ class EstimatorClient:
     def _ensure(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "autotune.worker.estimate", "--serve"],
+                [sys.executable, "-m", "autotune.worker.fake_step", "--serve"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                 preexec_fn=die_with_parent, start_new_session=True,
             )
@@ -62,7 +62,7 @@ class EstimatorClient:
         where to run it (forked estimates only; several may run at once)."""
         request = json.dumps({**self.request, "fsdp": cfg.to_dict()})
         try:
-            done = run_forked(self.forks, "autotune.worker.estimate:main", [request], self.timeout_s, affinity=cores)
+            done = run_forked(self.forks, "autotune.worker.fake_step:main", [request], self.timeout_s, affinity=cores)
         except TimeoutError:
             return {"error": f"no estimate within {self.timeout_s:.0f}s; abandoned"}
         if done is not None:

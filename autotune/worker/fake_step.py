@@ -7,7 +7,7 @@ nothing is allocated and no collective moves data. The live-storage tracker the
 CPU trials use counts the fake tensors, so the prediction and the CPU
 measurement are the same quantity. Saved-tensor hooks tell activations apart.
 
-``python -m autotune.worker.estimate --serve`` answers one JSON request per
+``python -m autotune.worker.fake_step --serve`` answers one JSON request per
 line on stdin with one JSON line on stdout, so the driver pays the imports once.
 """
 
@@ -307,7 +307,7 @@ def main(argv: list[str]) -> int:
         text = argv[0] if argv[0].lstrip().startswith("{") else open(argv[0]).read()
         print(json.dumps(answer(json.loads(text))))
         return 0
-    print("usage: python -m autotune.worker.estimate (--serve | REQUEST_JSON | REQUEST_FILE)", file=sys.stderr)
+    print("usage: python -m autotune.worker.fake_step (--serve | REQUEST_JSON | REQUEST_FILE)", file=sys.stderr)
     return 2
 
 

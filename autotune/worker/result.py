@@ -9,7 +9,7 @@ import platform
 import torch
 import torch.distributed as dist
 
-from autotune.config import TrialRequest, TrialResult
+from autotune.config import Status, TrialRequest, TrialResult
 from autotune.worker.measure import step_time_stats
 from autotune.worker.runtime import Rank
 from autotune.worker.train import Measurement
@@ -34,7 +34,7 @@ def build_result(
     import transformers
 
     result = TrialResult(
-        status="ok",
+        status=Status.OK,
         tokens_per_step=tokens_per_step,
         loss_first=measurement.loss_first,
         loss_last=measurement.loss_last,
@@ -57,7 +57,7 @@ def build_result(
     result.peak_memory_bytes = max(m.peak for m in result.rank_memory) if result.rank_memory else None
     result.memory_method = "cuda_caching_allocator" if rank.device.type == "cuda" else "live_tensor_storages"
     if measurement.aborted_tokens_per_s is not None:
-        result.status = "aborted"
+        result.status = Status.ABORTED
         result.tokens_per_s = measurement.aborted_tokens_per_s
         return result
 
@@ -73,6 +73,6 @@ def build_result(
     result.tokens_per_s_ci_high = tokens_per_step / stats["ci_low"] if stats["ci_low"] > 0 else None
     for loss in (result.loss_first, result.loss_last):
         if loss is None or not math.isfinite(loss):
-            result.status = "crash"
+            result.status = Status.CRASH
             result.error = f"loss is not finite (first {result.loss_first}, last {result.loss_last})"
     return result
