@@ -170,7 +170,9 @@ def test_no_status_cause_role_or_stop_reason_is_spelled_outside_its_enum():
 
 
 def test_optunas_private_api_is_read_in_one_module():
-    private = ("._trial_id", "._storage", "_get_stale_trial_ids", "get_trial_system_attrs", "set_trial_system_attr")
-    outside = [f"{name}: {word}" for name, path in MODULES.items() if name != "autotune.study.optuna_internals"
-               for word in private if word in path.read_text()]
+    import re
+
+    private = re.compile(r"\._trial_id\b|\._storage\b|_get_stale_trial_ids|get_trial_system_attrs|set_trial_system_attr")
+    outside = [f"{name}: {hit}" for name, path in MODULES.items() if name != "autotune.study.optuna_internals"
+               for hit in private.findall(path.read_text())]
     assert not outside, outside
