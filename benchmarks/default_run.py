@@ -30,7 +30,8 @@ from pathlib import Path
 
 from optuna.trial import TrialState
 
-from autotune.study.record import Attr, StudyAttr
+from autotune.study.record import Attr
+from autotune.study.verdict import read_verdict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reporting import machine, publish  # noqa: E402
@@ -68,8 +69,8 @@ def main() -> int:
         repeats.append(json.loads(done.stdout)["tokens_per_s"] if done.returncode == 0 else float("nan"))
     # With a confirmation round the figure to reproduce is the winner's mean
     # over the rounds; the search's one trial of it is a maximum, biased high.
-    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
-    reference, reference_name = ((verdict["winner"]["mean"], "confirmed mean") if verdict
+    verdict = read_verdict(study)
+    reference, reference_name = ((verdict.winner.mean, "confirmed mean") if verdict
                                  else (best.value, "study's figure"))
     ratios = [r / reference for r in repeats]
 

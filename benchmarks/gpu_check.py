@@ -161,7 +161,8 @@ def step_study(ctx: Context) -> list[str]:
     """autotune run at its defaults on the held-out model; the issue's figures from its record."""
     import optuna
 
-    from autotune.study.record import Attr, Role, StudyAttr
+    from autotune.study.record import Attr, StudyAttr
+    from autotune.study.verdict import Role, read_verdict
 
     if ctx.forks is not None:
         ctx.forks.close()  # the study starts its own
@@ -183,21 +184,21 @@ def step_study(ctx: Context) -> list[str]:
     trial_wall = sum(t.user_attrs[Attr.WALL_S] for t in launched)
     costs = study.user_attrs.get(StudyAttr.ESTIMATE_COSTS, {})
     driver = wall - trial_wall
-    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION) or {}
-    recipe = (verdict.get("references") or {}).get(Role.STANDARD_RECIPE)
-    winner = verdict.get("winner") or {}
+    verdict = read_verdict(study)
+    recipe = verdict.references.get(Role.STANDARD_RECIPE) if verdict else None
+    winner = verdict.winner if verdict else None
     if recipe is None:
         ratio = None
-    elif recipe["config"] == winner.get("config"):
+    elif recipe.config == winner.config:
         ratio = {"mean": 1.0, "ci95": [1.0, 1.0]}
     else:
-        ratio = {"mean": 1 / recipe["ratio_to_winner"]["mean"],
-                 "ci95": [1 / x if x else None for x in reversed(recipe["ratio_to_winner"]["ci95"])]}
+        ratio = {"mean": 1 / recipe.ratio_to_winner.mean,
+                 "ci95": [1 / x if x else None for x in reversed(recipe.ratio_to_winner.ci95)]}
     errors = [t.user_attrs[Attr.TENSOR_PEAK_BYTES] / t.user_attrs[Attr.PREDICTED_PEAK_BYTES] - 1 for t in launched
               if t.user_attrs.get(Attr.TENSOR_PEAK_BYTES) and t.user_attrs.get(Attr.PREDICTED_PEAK_BYTES)]
     from noise import model_flops_per_token
 
-    mfu = (model_flops_per_token(MODEL_CONFIG, SEQ_LEN) * winner["mean"] / ctx.matmul_peak
+    mfu = (model_flops_per_token(MODEL_CONFIG, SEQ_LEN) * winner.mean / ctx.matmul_peak
            if winner and ctx.matmul_peak else None)
     lines = [
         f"`autotune run --mem-budget {BUDGET} --model <mistral-1b config.json> --nproc 1 --seq-len {SEQ_LEN} --trials 8 "
@@ -209,8 +210,8 @@ def step_study(ctx: Context) -> list[str]:
         f"driver {driver - costs.get('estimate_wait_s', 0):.0f}s; the tuner's own time outside trials "
         f"{100 * driver / wall:.1f}% (target <= 10%); {costs.get('fake_steps', 0)} fake steps",
         f"launches over the budget: {len(over)} {over} (target 0)",
-        f"confirmed winner: {winner.get('label')} {winner.get('mean', 0):,.0f} tok/s; against the standard recipe "
-        + (f"{recipe['label']}: {ratio['mean']:.2f}x (95% CI {ratio['ci95']}) in the same rounds (target >= 1.0x)"
+        f"confirmed winner: {winner.label if winner else None} {winner.mean if winner else 0:,.0f} tok/s; against the standard recipe "
+        + (f"{recipe.label}: {ratio['mean']:.2f}x (95% CI {ratio['ci95']}) in the same rounds (target >= 1.0x)"
            if ratio else "not measured"),
         f"winner's MFU: {100 * mfu:.1f}% of the dense bf16 matmul measured above" if mfu else "winner's MFU: n/a",
         f"estimate error on the allocated peak: median {100 * statistics.median(errors):+.1f}%, worst "

@@ -8,7 +8,8 @@ import pytest
 
 from autotune.config import FsdpConfig, TrialResult
 from autotune.study import run_study
-from autotune.study.record import Attr, Role, StudyAttr, is_confirmation, is_feasible, trial_config
+from autotune.study.record import Attr, StudyAttr, is_confirmation, is_feasible, trial_config
+from autotune.study.verdict import Role, read_verdict
 from autotune.study.margin import ESTIMATE_SLACK
 from autotune.study.search import frontier_configs
 from tests.test_objective import HOST, LAYER, MODEL, MiB, ScriptedEstimator, ScriptedLaunch, ok, settings
@@ -114,35 +115,34 @@ def test_the_search_finds_the_best_within_a_few_launches(tmp_path):
 def test_confirmation_names_the_winner_its_ties_and_the_references(tmp_path):
     run, launch = search(tmp_path, budget_mib=500, trials=8, noise=0.02, confirm=3)
     verdict = run.verdict
-    assert verdict is not None and verdict == run.study.user_attrs[StudyAttr.CONFIRMATION]
-    assert verdict["rounds"] == 3 and len(verdict["winner"]["values"]) == 3
+    # Stored as a dict, read back as the same types.
+    assert verdict is not None and verdict == read_verdict(run.study)
+    assert verdict.rounds == 3 and len(verdict.winner.values) == 3
     confirmations = [t for t in run.study.trials if is_confirmation(t)]
     roles = {t.user_attrs[Attr.CONFIRMATION_ROLE] for t in confirmations}
-    assert {"finalist", "pytorch_defaults"} <= roles
-    # The recommended configuration runs as a reference unless it is a finalist already.
-    finalist_configs = [e["config"] for e in [verdict["winner"], *verdict["ties"], *verdict["others"]]]
-    recommended = {**finalist_configs[0], "fsdp_version": 2, "sharding_strategy": "SHARD_GRAD_OP",
-                   "auto_wrap_policy": "transformer_layer", "mixed_precision": "bf16", "activation_checkpointing": "none",
-                   "forward_prefetch": False, "reshard_after_forward": False}
-    assert "recommended" in roles or recommended in finalist_configs
+    assert {Role.FINALIST, Role.PYTORCH_DEFAULTS} <= roles
+    # The standard recipe (the study's first trial) runs as a reference unless it is a finalist already.
+    finalist_configs = [e.config for e in [verdict.winner, *verdict.ties, *verdict.others] if e.role == Role.FINALIST]
+    recipe = next(trial_config(t) for t in run.study.trials if t.user_attrs.get(Attr.BASELINE))
+    assert (Role.STANDARD_RECIPE in roles) != (recipe.to_dict() in finalist_configs)
     # Interleaved: every round holds every entry before the next round starts.
     rounds = [t.user_attrs[Attr.CONFIRMATION_ROUND] for t in sorted(confirmations, key=lambda t: t.number)]
     assert rounds == sorted(rounds)
-    assert verdict["references"]["pytorch_defaults"]["ratio_to_winner"]["mean"] < 0.7  # fp32, no wrap: far slower
-    lo, hi = verdict["winner"]["ci95"]
-    assert lo <= verdict["winner"]["mean"] <= hi
-    for tie in verdict["ties"]:
-        assert tie["ratio_to_winner"]["ci95"][1] is None or tie["ratio_to_winner"]["ci95"][1] >= 1.0
+    assert verdict.references[Role.PYTORCH_DEFAULTS].ratio_to_winner.mean < 0.7  # fp32, no wrap: far slower
+    lo, hi = verdict.winner.ci95
+    assert lo <= verdict.winner.mean <= hi
+    for tie in verdict.ties:
+        assert tie.ratio_to_winner.ci95[1] is None or tie.ratio_to_winner.ci95[1] >= 1.0
 
 
 def test_a_resumed_study_does_not_redo_finished_rounds(tmp_path):
     storage = optuna.storages.InMemoryStorage()
     small = "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP]\nmixed_precision: bf16\nmicro_batch_size: [1, 2]\n"
     first, _ = search(tmp_path, budget_mib=500, trials=10, noise=0.02, confirm=2, storage=storage, space=small)
-    assert first.stop_reason == "space exhausted" and first.verdict["rounds"] == 2
+    assert first.stop_reason == "space exhausted" and first.verdict.rounds == 2
     again, launch = search(tmp_path, budget_mib=500, trials=10, noise=0.02, confirm=2, storage=storage, space=small)
     assert launch.launched == [], "a finished confirmation round ran again"
-    assert again.verdict["winner"]["label"] == first.verdict["winner"]["label"]
+    assert again.verdict.winner.label == first.verdict.winner.label
 
 
 def test_confirm_0_skips_the_round(tmp_path):
@@ -195,8 +195,8 @@ def test_a_finalist_that_is_a_reference_serves_as_it_and_runs_once(tmp_path, cap
              "activation_checkpointing: full\nmicro_batch_size: [1, 2]\n")
     run, _ = search(tmp_path, budget_mib=500, trials=10, noise=0.0, confirm=2, space=small)
     verdict = run.verdict
-    assert verdict["winner"]["config"]["mixed_precision"] == "bf16" and verdict["winner"]["config"]["micro_batch_size"] == 2
-    assert verdict["references"][Role.STANDARD_RECIPE]["config"] == verdict["winner"]["config"]
+    assert verdict.winner.config["mixed_precision"] == "bf16" and verdict.winner.micro_batch_size == 2
+    assert verdict.references[Role.STANDARD_RECIPE].config == verdict.winner.config
     roles = [t.user_attrs[Attr.CONFIRMATION_ROLE] for t in run.study.trials if is_confirmation(t)]
     assert Role.STANDARD_RECIPE not in roles, "the standard recipe ran twice in a round"
     # The summary reads the verdict back from storage (copies, not the same objects).

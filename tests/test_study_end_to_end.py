@@ -7,6 +7,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from autotune.study.verdict import Role, read_verdict
+
 pytestmark = pytest.mark.torchrun
 
 RUN = ["run", "--mem-budget", "20GB", "--space", "smoke", "--trials", "6", "--seq-len", "128",
@@ -84,19 +86,18 @@ def test_export_json_reproduces_on_a_worker(study_run):
     doc = json.loads((root / "best.json").read_text())
     study = _study(root)
     assert doc["schema"] == "autotune.fsdp-config/v1"
-    verdict = study.user_attrs["confirmation"]
-    winner = verdict["winner"]
-    assert doc["fsdp"] == winner["config"]
+    winner = read_verdict(study).winner
+    assert doc["fsdp"] == winner.config
     assert doc["micro_batch_size"] == doc["fsdp"]["micro_batch_size"]
     assert doc["seq_len"] == 128 and doc["model"] == "llama-tiny"
     # The confirmed figure: the mean over the rounds, with them and the ties beside it.
     assert doc["measured"]["confirmed"] is True
-    assert doc["measured"]["tokens_per_s"] == pytest.approx(winner["mean"])
-    assert doc["measured"]["confirmation"]["values"] == winner["values"] and len(winner["values"]) == 2
+    assert doc["measured"]["tokens_per_s"] == pytest.approx(winner.mean)
+    assert doc["measured"]["confirmation"]["values"] == list(winner.values) and winner.rounds == 2
     assert doc["measured"]["world_size"] == 2 and doc["measured"]["device"] == "cpu"
     assert doc["budget"]["memory_bytes"] == 20 * 10**9
     assert doc["study"] == {"name": study.study_name, "storage": "sqlite:///studies/autotune.db",
-                            "trial_number": winner["trial"]}
+                            "trial_number": winner.trial}
     assert doc["environment"]["torch_version"].startswith("2.")
     assert json.loads((root / "studies" / study.study_name / "best_config.json").read_text())["fsdp"] == doc["fsdp"]
 
@@ -123,34 +124,34 @@ def test_the_confirmation_round_re_measures_finalists_and_references_in_interlea
     root, _ = study_run
     study = _study(root)
     rounds = [t for t in study.trials if "confirmation_round" in t.user_attrs]
-    verdict = study.user_attrs["confirmation"]
-    entries = [verdict["winner"], *verdict["ties"], *verdict["others"], *verdict["references"].values()]
+    verdict = read_verdict(study)
+    entries = [verdict.winner, *verdict.ties, *verdict.others, *verdict.references.values()]
     # Every entry ran in both rounds, as fresh launches (none reused, none stopped early);
     # a finalist that is also a reference is listed under both and ran once a round.
-    distinct = {json.dumps(e["config"], sort_keys=True) for e in entries}
-    assert len(rounds) == 2 * len(distinct)
-    assert all(ref.get("also") == [] or ref["role"] == "finalist" for ref in entries)
+    distinct = {json.dumps(e.config, sort_keys=True) for e in entries}
+    assert len(rounds) == 2 * len(distinct) == 2 * len(verdict.parts())
+    assert all(ref.also == () or ref.role == Role.FINALIST for ref in entries)
     assert all(t.state == TrialState.COMPLETE and "reused_from" not in t.user_attrs and "started_at" in t.user_attrs
                for t in rounds)
     # Interleaved: all of round 1 before any of round 2.
     order = [t.user_attrs["confirmation_round"] for t in sorted(rounds, key=lambda t: t.number)]
     assert order == sorted(order)
     for e in entries:
-        measured = sorted(t.value for t in rounds if t.user_attrs["config"] == e["config"])
-        assert sorted(e["values"]) == pytest.approx(measured)
-        assert e["mean"] == pytest.approx(sum(measured) / 2)
+        measured = sorted(t.value for t in rounds if t.user_attrs["config"] == e.config)
+        assert sorted(e.values) == pytest.approx(measured)
+        assert e.mean == pytest.approx(sum(measured) / 2)
     # The winner has the highest mean of the finalists; a tie's ratio interval reaches 1.
-    finalists = [e for e in entries if e["role"] == "finalist"]
-    assert verdict["winner"]["mean"] == max(e["mean"] for e in finalists)
-    for tie in verdict["ties"]:
-        assert tie["ratio_to_winner"]["ci95"][1] is None or tie["ratio_to_winner"]["ci95"][1] >= 1
-    assert set(verdict["references"]) <= {"standard_recipe", "pytorch_defaults"} and verdict["references"]
+    finalists = [e for e in entries if e.role == Role.FINALIST]
+    assert verdict.winner.mean == max(e.mean for e in finalists)
+    for tie in verdict.ties:
+        assert tie.ratio_to_winner.ci95[1] is None or tie.ratio_to_winner.ci95[1] >= 1
+    assert set(verdict.references) <= {Role.STANDARD_RECIPE, Role.PYTORCH_DEFAULTS} and verdict.references
     # PyTorch's defaults run at the winner's micro batch; the standard recipe as the first trial ran it.
-    for role, ref in verdict["references"].items():
-        if role == "pytorch_defaults":
-            assert ref["config"]["micro_batch_size"] == verdict["winner"]["config"]["micro_batch_size"]
+    for role, ref in verdict.references.items():
+        if role == Role.PYTORCH_DEFAULTS:
+            assert ref.micro_batch_size == verdict.winner.micro_batch_size
         else:
-            assert ref["config"] == next(t.user_attrs["config"] for t in _study(study_run[0]).trials
+            assert ref.config == next(t.user_attrs["config"] for t in _study(study_run[0]).trials
                                          if t.user_attrs.get("baseline"))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import optuna
 
 from autotune.study.record import Attr, StudyAttr, winner
+from autotune.study.verdict import Verdict, read_verdict
 from autotune.units import format_bytes
 
 
@@ -20,7 +21,7 @@ def study_note(study: optuna.Study) -> str:
         "(constraint: peak memory - budget).",
     ]
     best = winner(study)
-    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
+    verdict = read_verdict(study)
     if best is None:
         lines.append("\nNo feasible trial yet.")
     elif verdict:
@@ -38,20 +39,20 @@ def study_note(study: optuna.Study) -> str:
     return "\n".join(lines)
 
 
-def confirmation_lines(verdict: dict) -> list[str]:
+def confirmation_lines(verdict: Verdict) -> list[str]:
     """The confirmed winner, its ties and the references, as the note shows them."""
-    w = verdict["winner"]
-    lines = [f"\n**Confirmed best** ({verdict['rounds']} interleaved rounds of fresh trials, tagged "
-             f"`confirmation_round`): `{w['label']}`: {w['mean']:,.0f} tokens/s, peak "
-             f"{format_bytes(w['peak_memory_bytes'] or 0)}."]
-    for tie in verdict["ties"]:
-        lines.append(f"\n- tie: `{tie['label']}`: {tie['mean']:,.0f} tokens/s, peak {format_bytes(tie['peak_memory_bytes'] or 0)}")
-    for role, ref in verdict["references"].items():
-        ratio = ref.get("ratio_to_winner") or {}
-        if ref["config"] == w["config"]:
-            lines.append(f"\n- {role.replace('_', ' ')}: the winner is it")
-        elif ratio:
-            lines.append(f"\n- {role.replace('_', ' ')} (`{ref['label']}`): the winner is {1 / ratio['mean']:.2f}x it")
+    w = verdict.winner
+    lines = [f"\n**Confirmed best** ({verdict.rounds} interleaved rounds of fresh trials, tagged "
+             f"`confirmation_round`): `{w.label}`: {w.mean:,.0f} tokens/s, peak "
+             f"{format_bytes(w.peak_memory_bytes or 0)}."]
+    for tie in verdict.ties:
+        lines.append(f"\n- tie: `{tie.label}`: {tie.mean:,.0f} tokens/s, peak {format_bytes(tie.peak_memory_bytes or 0)}")
+    for role, ref in verdict.references.items():
+        name = role.value.replace('_', ' ')
+        if ref.config == w.config:
+            lines.append(f"\n- {name}: the winner is it")
+        elif ref.ratio_to_winner:
+            lines.append(f"\n- {name} (`{ref.label}`): the winner is {1 / ref.ratio_to_winner.mean:.2f}x it")
     lines.append("\nExport it: `autotune export -f accelerate|hf|torchtitan|python|json`.")
     return lines
 

@@ -8,6 +8,7 @@ measurement can be repeated from the file alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import sys
@@ -17,6 +18,7 @@ from autotune import __version__
 from autotune.config import SCHEMA, FsdpConfig, accumulation_steps, write_text_atomic
 from autotune.study.record import Attr, StudyAttr
 from autotune.study.storage import mask_url
+from autotune.study.verdict import VerdictEntry, read_verdict
 
 
 def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
@@ -70,20 +72,24 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
 
 
 def _confirmation(study: Any, cfg: FsdpConfig, single: float | None) -> dict[str, Any]:
-    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
-    if not verdict or verdict["winner"]["config"] != cfg.to_dict():
+    verdict = read_verdict(study)
+    if not verdict or not verdict.is_winner(cfg.to_dict()):
         return {"confirmed": False}
-    winner = verdict["winner"]
+    winner = verdict.winner
+
+    def ratio(e: VerdictEntry) -> dict[str, Any] | None:
+        return dataclasses.asdict(e.ratio_to_winner) if e.ratio_to_winner else None
+
     return {
         "confirmed": True,
-        "tokens_per_s": winner["mean"],
+        "tokens_per_s": winner.mean,
         "tokens_per_s_search_trial": single,
         "confirmation": {
-            "rounds": winner["rounds"], "values": winner["values"], "mean": winner["mean"], "ci95": winner["ci95"],
-            "ties": [{k: t[k] for k in ("label", "config", "mean", "ci95", "peak_memory_bytes", "ratio_to_winner")}
-                     for t in verdict["ties"]],
-            "references": {role: {k: r[k] for k in ("label", "mean", "ci95", "ratio_to_winner")}
-                           for role, r in verdict["references"].items()},
+            "rounds": winner.rounds, "values": list(winner.values), "mean": winner.mean, "ci95": list(winner.ci95),
+            "ties": [{"label": t.label, "config": t.config, "mean": t.mean, "ci95": list(t.ci95),
+                      "peak_memory_bytes": t.peak_memory_bytes, "ratio_to_winner": ratio(t)} for t in verdict.ties],
+            "references": {role.value: {"label": r.label, "mean": r.mean, "ci95": list(r.ci95), "ratio_to_winner": ratio(r)}
+                           for role, r in verdict.references.items()},
         },
     }
 

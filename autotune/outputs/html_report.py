@@ -10,8 +10,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import SEARCH_FIELDS
 from autotune.study.record import (
-    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_feasible, trial_config, verdict_entries,
+    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_feasible, trial_config,
 )  # fmt: skip
+from autotune.study.verdict import Verdict, part_text, read_verdict
 from autotune.units import format_bytes
 
 FEASIBLE = "#1f77b4"
@@ -141,21 +142,21 @@ def top_table(trials: list[FrozenTrial], limit: int = 10):
     return fig
 
 
-def confirmation_figure(verdict: dict | None):
+def confirmation_figure(verdict: Verdict | None):
     """The confirmation round: each configuration's mean over the rounds, with its 95% CI."""
     import plotly.graph_objects as go
 
     if not verdict:
         return None
-    parts = verdict_entries(verdict)
-    entries = [e for e, _ in parts]
-    names = [f"{e['label']} ({part})" for e, part in parts]
-    means = [e["mean"] for e in entries]
-    upper = [(e["ci95"][1] - e["mean"]) if e["ci95"][1] is not None else 0 for e in entries]
-    lower = [(e["mean"] - e["ci95"][0]) if e["ci95"][0] is not None else 0 for e in entries]
+    parts = verdict.parts()
+    entries = [e for e, _, _ in parts]
+    names = [f"{e.label} ({part_text(part, roles)})" for e, part, roles in parts]
+    means = [e.mean for e in entries]
+    upper = [(e.ci95[1] - e.mean) if e.ci95[1] is not None else 0 for e in entries]
+    lower = [(e.mean - e.ci95[0]) if e.ci95[0] is not None else 0 for e in entries]
     fig = go.Figure(go.Bar(x=means, y=names, orientation="h", marker={"color": FEASIBLE},
                            error_x={"type": "data", "array": upper, "arrayminus": lower}))
-    fig.update_layout(title=f"Confirmation: mean tokens/s over {verdict['rounds']} interleaved rounds (95% CI)",
+    fig.update_layout(title=f"Confirmation: mean tokens/s over {verdict.rounds} interleaved rounds (95% CI)",
                       xaxis_title="tokens/s", height=160 + 40 * len(entries), yaxis={"autorange": "reversed"})
     return fig
 
@@ -182,7 +183,7 @@ def build_report(study: optuna.Study) -> str:
     budget = study.user_attrs.get(StudyAttr.IDENTITY, {}).get("budget_bytes")
     figures = [speed_memory_figure(trials, budget), history_figure(study), dimension_figure(trials)]
     importance, importance_note = importance_figure(study)
-    figures += [importance, top_table(trials), confirmation_figure(study.user_attrs.get(StudyAttr.CONFIRMATION)),
+    figures += [importance, top_table(trials), confirmation_figure(read_verdict(study)),
                 excluded_table(study.user_attrs.get(StudyAttr.EXCLUDED))]
     parts, first = [], True
     for fig in figures:

@@ -11,8 +11,9 @@ from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
 from autotune.study.settings import RunSettings
 from autotune.study.record import (
-    Attr, Cause, Role, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, verdict_entries, winner,
+    Attr, Cause, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, winner,
 )  # fmt: skip
+from autotune.study.verdict import Part, Ratio, Role, Verdict, part_text, read_verdict
 from autotune.study.runner import RunOutcome
 from autotune.study.stopping import StopReason
 from autotune.study.storage import study_dir
@@ -56,8 +57,8 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
         print(explain_no_result(trials, run.plan, settings))
         return 1
     print_top(trials, settings)
-    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
-    if verdict and verdict["winner"]["config"] == best.user_attrs.get(Attr.CONFIG):
+    verdict = read_verdict(study)
+    if verdict and verdict.is_winner(best.user_attrs.get(Attr.CONFIG)):
         print_verdict(verdict, settings)
     else:
         print_unconfirmed(best, trials, settings)
@@ -85,33 +86,32 @@ def print_top(trials: list, settings: RunSettings) -> None:
     print(format_table(["#", "tokens/s", "peak", "configuration"], rows, right=(0, 1, 2)))
 
 
-def print_verdict(verdict: dict, settings: RunSettings) -> None:
+def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
     """The confirmation round: every finalist's mean with its CI, the winner, the ties, the references."""
-    rows = [[f"{e['mean']:,.0f}", _ci_text(e["ci95"]), format_bytes(e["peak_memory_bytes"] or 0), e["label"],
-             f"slower: {_ratio_text(e['ratio_to_winner'])} of the winner" if part == "slower" else part]
-            for e, part in verdict_entries(verdict)]
-    print(f"\nConfirmation: {verdict['rounds']} interleaved round(s) of fresh trials:")
+    rows = [[f"{e.mean:,.0f}", _ci_text(e.ci95), format_bytes(e.peak_memory_bytes or 0), e.label,
+             f"slower: {_ratio_text(e.ratio_to_winner)} of the winner" if part == Part.SLOWER else part_text(part, roles)]
+            for e, part, roles in verdict.parts()]
+    print(f"\nConfirmation: {verdict.rounds} interleaved round(s) of fresh trials:")
     print(format_table(["mean tok/s", "95% CI", "peak", "configuration", "verdict"], rows, right=(0, 1, 2)))
-    w = verdict["winner"]
-    print(f"\nBest (confirmed): {w['label']}")
-    print(f"  {w['mean']:,.0f} tokens/s (95% CI {_ci_text(w['ci95'])}, {w['rounds']} rounds), peak "
-          f"{format_bytes(w['peak_memory_bytes'] or 0)} = {100 * (w['peak_memory_bytes'] or 0) / settings.budget_bytes:.1f}% "
+    w = verdict.winner
+    print(f"\nBest (confirmed): {w.label}")
+    print(f"  {w.mean:,.0f} tokens/s (95% CI {_ci_text(w.ci95)}, {w.rounds} rounds), peak "
+          f"{format_bytes(w.peak_memory_bytes or 0)} = {100 * (w.peak_memory_bytes or 0) / settings.budget_bytes:.1f}% "
           f"of the {settings.budget_text} budget")
-    for tie in verdict["ties"]:
-        cheaper = " and needs less memory" if (tie["peak_memory_bytes"] or 0) < (w["peak_memory_bytes"] or 0) else ""
-        print(f"  Tie{cheaper}: {tie['label']}: {tie['mean']:,.0f} tokens/s, peak {format_bytes(tie['peak_memory_bytes'] or 0)} "
-              f"({_ratio_text(tie['ratio_to_winner'])} of the winner: not told apart in {tie['rounds']} rounds)")
-    batch = w["config"]["micro_batch_size"]
+    for tie in verdict.ties:
+        cheaper = " and needs less memory" if (tie.peak_memory_bytes or 0) < (w.peak_memory_bytes or 0) else ""
+        print(f"  Tie{cheaper}: {tie.label}: {tie.mean:,.0f} tokens/s, peak {format_bytes(tie.peak_memory_bytes or 0)} "
+              f"({_ratio_text(tie.ratio_to_winner)} of the winner: not told apart in {tie.rounds} rounds)")
     for role in (Role.STANDARD_RECIPE, Role.PYTORCH_DEFAULTS):
-        ref = verdict["references"].get(role)
+        ref = verdict.references.get(role)
         if ref is None:
             print(f"  vs {ROLE_NAMES[role]}: not measured (it cannot run, or is predicted not to fit, here)")
             continue
-        if ref["config"] == w["config"]:
-            print(f"  The winner is {ROLE_NAMES[role]} (micro batch {batch}): 1.00x")
+        if ref.config == w.config:
+            print(f"  The winner is {ROLE_NAMES[role]} (micro batch {w.micro_batch_size}): 1.00x")
             continue
-        print(f"  Against {ROLE_NAMES[role]} at micro batch {ref['config']['micro_batch_size']}: "
-              f"{_speedup_text(ref['ratio_to_winner'])}, measured in the same rounds")
+        print(f"  Against {ROLE_NAMES[role]} at micro batch {ref.micro_batch_size}: "
+              f"{_speedup_text(ref.ratio_to_winner)}, measured in the same rounds")
 
 
 def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
@@ -128,27 +128,27 @@ def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
               f"{best.user_attrs[Attr.CONFIG]['micro_batch_size']})")
 
 
-def _ci_text(ci: list) -> str:
+def _ci_text(ci: tuple[float | None, float | None]) -> str:
     lo, hi = ci
     return f"{lo:,.0f}-{hi:,.0f}" if lo is not None and hi is not None else "one round: none"
 
 
-def _ratio_text(ratio: dict | None) -> str:
+def _ratio_text(ratio: Ratio | None) -> str:
     if not ratio:
         return "?"
-    lo, hi = ratio["ci95"]
+    lo, hi = ratio.ci95
     bounds = f", 95% CI {lo:.2f}-{hi:.2f}" if lo is not None and hi is not None else ""
-    return f"{ratio['mean']:.2f}x{bounds}"
+    return f"{ratio.mean:.2f}x{bounds}"
 
 
-def _speedup_text(ratio: dict | None) -> str:
+def _speedup_text(ratio: Ratio | None) -> str:
     """The winner over a reference, from the reference's ratio to the winner."""
     if not ratio:
         return "not comparable (no round in common)"
-    lo, hi = ratio["ci95"]
+    lo, hi = ratio.ci95
     tie = lo is not None and hi is not None and lo <= 1 <= hi
     bounds = f" (95% CI {1 / hi:.2f}-{1 / lo:.2f}{': a tie' if tie else ''})" if lo and hi else " (one round: no CI)"
-    return f"{1 / ratio['mean']:.2f}x{bounds}"
+    return f"{1 / ratio.mean:.2f}x{bounds}"
 
 
 def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> str:

@@ -32,8 +32,9 @@ from autotune.launch.host import HostInfo, host_incompatibility
 from autotune.stats import mean_ci95
 from autotune.study.baseline import as_params, standard_recipe
 from autotune.study.equivalence import Topology, canonical
-from autotune.study.record import Attr, Role, StudyAttr, is_confirmation, is_feasible, search_trials, trial_config
+from autotune.study.record import Attr, is_confirmation, is_feasible, search_trials, trial_config
 from autotune.study.space import SearchSpace
+from autotune.study.verdict import Ratio, Role, Verdict, VerdictEntry
 
 MAX_FINALISTS = 4
 # Within this fraction of the best, a configuration is a finalist even if the
@@ -134,7 +135,7 @@ def enqueue_rounds(study: optuna.Study, entries: list[Entry], rounds: int) -> in
     return queued
 
 
-def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
+def verdict(study: optuna.Study, entries: list[Entry]) -> Verdict | None:
     """The winner, its ties and the references, from the rounds measured."""
     values: dict[str, dict[int, float]] = {e.cfg.key(): {} for e in entries}
     peaks: dict[str, int] = {}
@@ -151,52 +152,45 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> dict[str, Any] | None:
     top = max(finalists, key=lambda e: statistics.fmean(values[e.cfg.key()].values()))
     top_values = values[top.cfg.key()]
 
-    def describe(e: Entry) -> dict[str, Any]:
+    def describe(e: Entry) -> VerdictEntry:
         rounds = values[e.cfg.key()]
         lo, hi = mean_ci95(list(rounds.values()))
         ratio = paired_ratio(rounds, top_values) if e is not top else None
-        return {"label": e.cfg.describe(), "config": e.cfg.to_dict(), "role": e.role.value, "also": [r.value for r in e.also],
-                "trial": e.search_trial,
-                "rounds": len(rounds), "values": [rounds[r] for r in sorted(rounds)],
-                "mean": statistics.fmean(rounds.values()), "ci95": [_finite(lo), _finite(hi)],
-                "peak_memory_bytes": peaks.get(e.cfg.key()), "ratio_to_winner": ratio,
-                # A ratio whose interval reaches 1 (or that one round cannot bound) cannot be told from the winner.
-                "tie": ratio is not None and (ratio["ci95"][1] is None or ratio["ci95"][1] >= 1.0)}
+        return VerdictEntry(
+            label=e.cfg.describe(), config=e.cfg.to_dict(), role=e.role, also=e.also, trial=e.search_trial,
+            values=tuple(rounds[r] for r in sorted(rounds)), mean=statistics.fmean(rounds.values()),
+            ci95=(_finite(lo), _finite(hi)), peak_memory_bytes=peaks.get(e.cfg.key()), ratio_to_winner=ratio,
+            # A ratio whose interval reaches 1 (or that one round cannot bound) cannot be told from the winner.
+            tie=ratio is not None and (ratio.ci95[1] is None or ratio.ci95[1] >= 1.0))
 
-    described = [describe(e) for e in entries if values[e.cfg.key()]]
-    batch = top.cfg.micro_batch_size
+    described = {e.cfg.key(): describe(e) for e in entries if values[e.cfg.key()]}
+    winner = described[top.cfg.key()]
     # The headline compares the winner with the standard recipe as users run it,
     # and with PyTorch's defaults at the winner's own micro batch; a finalist
     # that is also a reference (the winner itself included) serves as it.
-    references = {}
-    for d in described:
-        for role in ([d["role"]] if d["role"] != Role.FINALIST else []) + d["also"]:
-            if role == Role.STANDARD_RECIPE or d["config"]["micro_batch_size"] == batch:
+    references: dict[Role, VerdictEntry] = {}
+    for d in described.values():
+        for role in ((d.role,) if d.role != Role.FINALIST else ()) + d.also:
+            if role == Role.STANDARD_RECIPE or d.micro_batch_size == winner.micro_batch_size:
                 references[role] = d
-    return {
-        "rounds": max(len(v) for v in values.values()),
-        "winner": next(d for d in described if d["config"] == top.cfg.to_dict()),
-        "ties": [d for d in described if d["role"] == Role.FINALIST and d["tie"]],
-        "others": [d for d in described if d["role"] != Role.FINALIST and d not in references.values()
-                   or d["role"] == Role.FINALIST and not d["tie"] and d["config"] != top.cfg.to_dict()],
-        "references": references,
-    }
+    ties = tuple(d for d in described.values() if d.role == Role.FINALIST and d.tie)
+    return Verdict(
+        rounds=max(len(v) for v in values.values()), winner=winner, ties=ties,
+        others=tuple(d for d in described.values() if d is not winner and d not in ties
+                     and (d.role == Role.FINALIST or d not in references.values())),
+        references=references)
 
 
-def paired_ratio(values: dict[int, float], winner: dict[int, float]) -> dict[str, Any] | None:
+def paired_ratio(values: dict[int, float], winner: dict[int, float]) -> Ratio | None:
     """Mean ratio to the winner over the rounds both ran, and its 95% CI (per-round log ratios)."""
     common = sorted(set(values) & set(winner))
     if not common:
         return None
     logs = [math.log(values[r] / winner[r]) for r in common]
     lo, hi = mean_ci95(logs)
-    return {"mean": math.exp(statistics.fmean(logs)), "rounds": len(common),
-            "ci95": [_finite(math.exp(lo)) if lo > -math.inf else None, _finite(math.exp(hi)) if hi < math.inf else None]}
+    return Ratio(mean=math.exp(statistics.fmean(logs)), rounds=len(common),
+                 ci95=(_finite(math.exp(lo)) if lo > -math.inf else None, _finite(math.exp(hi)) if hi < math.inf else None))
 
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def store(study: optuna.Study, result: dict[str, Any]) -> None:
-    study.set_user_attr(StudyAttr.CONFIRMATION, result)

@@ -23,6 +23,7 @@ from typing import Any
 from autotune.config import Choice, FsdpConfig, Status, TrialResult
 from autotune.study.margin import Sample
 from autotune.study.optuna_internals import set_system_attr
+from autotune.study.verdict import STORED_AS, read_verdict
 
 METRIC_NAME = "tokens_per_s"
 CONSTRAINT_KEY = "peak_memory_over_budget"
@@ -92,7 +93,7 @@ class Attr:
     EXIT_CODE = "exit_code"
     # The confirmation round (fresh re-measurements after the search).
     CONFIRMATION_ROUND = "confirmation_round"  # 1, 2, ...
-    CONFIRMATION_ROLE = "confirmation_role"  # a Role
+    CONFIRMATION_ROLE = "confirmation_role"  # a verdict.Role
     # The memory estimate.
     PREDICTED_PEAK_BYTES = "predicted_peak_bytes"  # tensor bytes of the fake step
     PREDICTED_DEVICE_PEAK_BYTES = "predicted_device_peak_bytes"  # with the device margin
@@ -100,16 +101,6 @@ class Attr:
     PREDICTION_METHOD = "prediction_method"
     PREDICTION_MARGIN = "prediction_margin"
     FIT_CHANCE = "fit_chance"  # below 1: predicted near the budget, launched to find out
-
-
-class Role(Choice):
-    """The part a configuration plays in the confirmation round."""
-
-    FINALIST = "finalist"  # the search's best, or within its noise
-    # FSDP2 FULL_SHARD, layer wrap, bf16 where fast, full checkpointing, the
-    # largest micro batch predicted to fit: what users write by hand, and the first trial.
-    STANDARD_RECIPE = "standard_recipe"
-    PYTORCH_DEFAULTS = "pytorch_defaults"  # FullyShardedDataParallel(model) as it comes, at the winner's micro batch
 
 
 class Cause(Choice):
@@ -136,7 +127,7 @@ class StudyAttr:
     SPACE_PATH = "space_path"
     HOST = "host"  # HostInfo of the last run
     EXCLUDED = "excluded"  # {"count", "examples": [{"label", "reason"}]}: ruled out before any trial
-    CONFIRMATION = "confirmation"  # the confirmation round's verdict (see autotune.study.confirm)
+    CONFIRMATION = STORED_AS  # the confirmation round's Verdict (autotune.study.verdict)
     # What the last run spent on memory estimates: fake steps, their seconds, the
     # seconds the search waited for them, configurations judged without one.
     ESTIMATE_COSTS = "estimate_costs"
@@ -180,35 +171,10 @@ def search_trials(study: Any) -> list:
 
 def winner(study: Any) -> Any | None:
     """The confirmed winner's search trial when a confirmation round ran, else the best feasible trial."""
-    verdict = study.user_attrs.get(StudyAttr.CONFIRMATION)
-    if verdict and verdict.get("winner") is not None:
-        number = verdict["winner"]["trial"]
-        return next((t for t in study.get_trials(deepcopy=False) if t.number == number), None)
+    verdict = read_verdict(study)
+    if verdict is not None:
+        return next((t for t in study.get_trials(deepcopy=False) if t.number == verdict.winner.trial), None)
     return best_search_trial(study)
-
-
-def verdict_entries(verdict: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
-    """Each configuration of a confirmation verdict once, winner first, with what it was
-    found to be: winner, tie, slower, or the reference it is (``also`` the references a
-    finalist served as)."""
-    out, seen = [], set()
-    # Compared by configuration: a verdict read back from storage holds copies.
-    for e in [verdict["winner"], *verdict["ties"], *verdict["others"], *verdict["references"].values()]:
-        key = json.dumps(e["config"], sort_keys=True)
-        if key in seen:
-            continue
-        seen.add(key)
-        if e["config"] == verdict["winner"]["config"]:
-            part = "winner"
-        elif e in verdict["ties"]:
-            part = "tie"
-        elif e["role"] == Role.FINALIST:
-            part = "slower"
-        else:
-            part = e["role"]
-        also = [r for r in e.get("also", []) if r != part]
-        out.append((e, part + (f" (= {', '.join(also)})" if also else "")))
-    return out
 
 
 def best_search_trial(study: Any) -> Any | None:

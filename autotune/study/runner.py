@@ -36,9 +36,10 @@ from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate
 from autotune.study.settings import RunSettings, check_resumable, load_or_create_study, make_sampler
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed, topology_of
 from autotune.study.optuna_internals import storage_of
-from autotune.study.record import Role, StudyAttr
+from autotune.study.record import StudyAttr
 from autotune.study.progress import Reporter
 from autotune.study.search import ModelSearch, held_keys, host_priors
+from autotune.study.verdict import Role, Verdict, store_verdict
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper, StopReason
 from autotune.study.storage import open_storage, study_dir
 
@@ -246,7 +247,7 @@ def _enqueue_frontier(parts: _Parts) -> None:
                            + "; ".join(c.describe() for c in seeds))
 
 
-def _confirm(parts: _Parts, on_trial_complete) -> dict[str, Any] | None:
+def _confirm(parts: _Parts, on_trial_complete) -> Verdict | None:
     """Re-measure the finalists and the references in interleaved rounds; store and return the verdict."""
     study, settings = parts.study, parts.settings
     with parts.objective.claims.mutex():
@@ -263,7 +264,7 @@ def _confirm(parts: _Parts, on_trial_complete) -> dict[str, Any] | None:
                        catch=(TrialFailed,), n_jobs=1)
     result = confirm.verdict(study, entries)
     if result is not None:
-        confirm.store(study, result)
+        store_verdict(study, result)
     return result
 
 
