@@ -100,7 +100,8 @@ def _add_run(commands: Any) -> None:
     run.add_argument("--mem-budget", required=True, metavar="SIZE",
                      help="per-rank memory budget, with a unit: 20GB = 20*10^9 bytes, 20GiB = 20*2^30; also MB, MiB, TB, TiB (required)")
     run.add_argument("--model", default="llama-tiny",
-                     help="a preset (llama-tiny, llama-1b, llama-7b, llama-8b, llama-70b), a transformers config.json path, "
+                     help="a preset (llama-tiny, llama-1b, llama-7b, llama-8b, llama-70b), a Hugging Face model id "
+                          "(owner/name: its config.json only, from the cache or the hub), a transformers config.json path, "
                           "or module:function returning a torch module (default: llama-tiny, the CPU default)")
     run.add_argument("--nproc", type=_positive_int, default=None,
                      help="ranks per node (default: the number of visible GPUs, or 2 on a host with none)")
@@ -176,7 +177,7 @@ def _add_estimate(commands: Any) -> None:
                     "memory used), with the device margin, and say whether it fits; then the largest micro batch "
                     "that fits for each sharding x checkpointing x precision among the configurations estimated.")
     estimate.add_argument("--mem-budget", required=True, metavar="SIZE", help="per-rank memory budget, e.g. 80GB or 70GiB (required)")
-    estimate.add_argument("--model", default="llama-tiny", help="preset, config.json path or module:function (default: llama-tiny)")
+    estimate.add_argument("--model", default="llama-tiny", help="preset, Hugging Face model id, config.json path or module:function (default: llama-tiny)")
     estimate.add_argument("--nproc", type=_positive_int, default=2, help="world size: ranks in all (default: 2)")
     estimate.add_argument("--nnodes", type=_positive_int, default=1, help="nodes the ranks are spread over; hybrid sharding needs 2+ (default: 1)")
     estimate.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sample (default: 256 for llama-tiny, else 2048)")

@@ -66,7 +66,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     spec = parse_model_spec(args.model)
     space = load_space(args.space)
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
-    host, model = probe(args.model, tuple(args.wrap_class), nproc=args.nproc, forks=forks)
+    host, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class), nproc=args.nproc, forks=forks)
     nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
     timed_steps, timing_budget = timing_defaults(host.device_type)
     launcher = choose_launcher(args.launcher, args.nnodes)
@@ -93,7 +93,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
         timed_steps=args.timed_steps or timed_steps, timing_ci=args.timing_ci,
         timing_budget_s=args.timing_budget or timing_budget, quiet=args.quiet, device_type=host.device_type, slots=slots,
         use_estimate=not args.no_estimate, confirm=args.confirm, search=args.sampler,
-        global_batch_size=args.global_batch_size, nnodes=args.nnodes, launcher=launcher,
+        global_batch_size=args.global_batch_size, nnodes=args.nnodes, launcher=launcher, hub_id=spec.hub_id,
     )
     check_resumable(settings)
     if launcher == "slurm":
@@ -168,7 +168,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     space = load_space(args.space)
     if args.nproc % args.nnodes:
         raise UsageError(f"--nproc {args.nproc} is not a multiple of --nnodes {args.nnodes}; give ranks that the nodes share evenly")
-    _, model = probe(args.model, tuple(args.wrap_class))
+    _, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class))
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note:
         print(f"autotune estimate: {seq_note}", file=sys.stderr)
@@ -180,7 +180,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if limit < len(configs):
         configs = random.Random(args.seed).sample(configs, limit)
     margin = default_margin(args.device)
-    client = EstimatorClient(spec.value if spec.kind == "config_file" else args.model, args.nproc, args.nnodes, seq_len,
+    client = EstimatorClient(_model_argument(spec, args.model), args.nproc, args.nnodes, seq_len,
                              exact=args.exact)
     progress = None if args.format == "json" else (
         lambda i, cfg: print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
+from autotune.hub import hub_config_path, looks_like_hub_id
 
 _LLAMA_COMMON: dict[str, Any] = {
     "model_type": "llama",
@@ -90,14 +91,19 @@ DEFAULT_SEQ_LEN = 2048
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A ``--model`` value, classified: ``preset``, ``config_file`` or ``factory``."""
+    """A ``--model`` value, classified: ``preset``, ``config_file`` or ``factory``.
+
+    A Hugging Face model id is a ``config_file``: its config.json in the local cache, with ``hub_id`` the id."""
 
     kind: str
     value: str
+    hub_id: str | None = None
 
     @property
     def label(self) -> str:
         """A short name for study names and tables."""
+        if self.hub_id:
+            return self.hub_id.split("/")[1]
         if self.kind == "config_file":
             path = Path(self.value)
             return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
@@ -117,11 +123,15 @@ def parse_model_spec(value: str) -> ModelSpec:
     if value in PRESETS:
         return ModelSpec("preset", value)
     path = Path(value)
+    hub_id = None
+    if not path.exists() and looks_like_hub_id(value):
+        hub_id, path = value, Path(hub_config_path(value))
     if value.endswith(".json") or path.exists() or "/" in value:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise UsageError(f"--model {value}: no such config file; give a path to a transformers config.json")
+            raise UsageError(f"--model {value}: no such config file; give a path to a transformers config.json "
+                             "or a Hugging Face model id (owner/name)")
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -130,7 +140,7 @@ def parse_model_spec(value: str) -> ModelSpec:
             raise UsageError(
                 f"--model {value}: a transformers config.json needs a \"model_type\" key"
             )
-        return ModelSpec("config_file", str(path.resolve()))
+        return ModelSpec("config_file", str(path.resolve()) if hub_id is None else str(path), hub_id)
     if ":" in value:
         module, _, function = value.partition(":")
         if all(part.isidentifier() for part in module.split(".")) and function.isidentifier():
@@ -138,7 +148,7 @@ def parse_model_spec(value: str) -> ModelSpec:
         raise UsageError(f"--model {value}: a factory is written module.path:function")
     raise UsageError(
         f"--model {value}: unknown preset; choose one of {sorted(PRESETS)}, "
-        "or give a config.json path or module:function"
+        "or give a Hugging Face model id (owner/name), a config.json path or module:function"
     )
 
 

@@ -34,7 +34,12 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_virtualenv():
 
 def _declared_distributions() -> set[str]:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    return {re.split(r"[<>=!\[; ]", dep, maxsplit=1)[0].lower() for dep in project["dependencies"]}
+    return {_normalized(re.split(r"[<>=!\[; ]", dep, maxsplit=1)[0]) for dep in project["dependencies"]}
+
+
+def _normalized(name: str) -> str:
+    """A distribution's name as PEP 503 compares them (huggingface-hub is huggingface_hub)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def test_every_runtime_import_is_a_declared_dependency():
@@ -49,7 +54,7 @@ def test_every_runtime_import_is_a_declared_dependency():
     providers = importlib.metadata.packages_distributions()
     declared = _declared_distributions()
     missing = {name: providers.get(name) for name in third_party
-               if not {d.lower() for d in providers.get(name, [name])} & declared}
+               if not {_normalized(d) for d in providers.get(name, [name])} & declared}
     assert not missing, f"imported but not in [project] dependencies: {missing}"
 
 

@@ -60,6 +60,9 @@ class RunSettings:
     # Samples per optimizer step across all ranks, held by gradient
     # accumulation; None: one micro batch per step, as the space draws it.
     global_batch_size: int | None = None
+    # --model as a Hugging Face id: the study's model is the id (hosts cache it in different places); ``model``
+    # is its config.json here.
+    hub_id: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -83,7 +86,7 @@ LATER_IDENTITY = {"global_batch_size": None, "nnodes": 1}
 
 def study_identity(settings: RunSettings) -> dict[str, Any]:
     return {
-        "model": settings.model,
+        "model": settings.hub_id or settings.model,
         "nproc": settings.nproc,
         "seq_len": settings.seq_len,
         "budget_bytes": settings.budget_bytes,
