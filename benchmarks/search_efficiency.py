@@ -208,9 +208,9 @@ def replay_tuner(budget: Budget, seed: int, launches: int, work: Path, search: s
             aborted = bool(t.user_attrs.get(Attr.ABORTED))
             replay.path.append((budget.value(cfg), _cost(table, cfg, aborted)))
     if run.verdict is not None:
-        replay.confirmed = budget.value(FsdpConfig.from_dict(run.verdict["winner"]["config"]))
-        replay.named = tuple(budget.value(FsdpConfig.from_dict(e["config"])) or 0.0
-                             for e in [run.verdict["winner"], *run.verdict["ties"]])
+        replay.confirmed = budget.value(FsdpConfig.from_dict(run.verdict.winner.config))
+        replay.named = tuple(budget.value(FsdpConfig.from_dict(e.config)) or 0.0
+                             for e in [run.verdict.winner, *run.verdict.ties])
     return replay
 
 
