@@ -104,3 +104,23 @@ def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_
     assert all(t.user_attrs["world_size"] == 2 and t.user_attrs["nproc_per_node"] == 1 for t in measured)
     doc = json.loads((tmp_path / "studies" / name / "best_config.json").read_text())
     assert doc["nnodes"] == 2
+
+
+def test_a_lost_node_is_read_from_the_node_records_never_from_the_log(tmp_path):
+    from autotune.launch.multinode import lost_node
+    from autotune.worker.node_agent import record_path
+
+    def record(node, **fields):
+        record_path(tmp_path, node).write_text(json.dumps({"node": node, "exit_code": None, "signal": None,
+                                                           "stopped": False, **fields}))
+
+    assert lost_node(tmp_path, 2, step_ended=False, step_failed=False) is None  # still running: no record yet
+    record(0, exit_code=1)  # a rank failed on its own: a crash, not a lost node
+    record(1, stopped=True)  # Slurm told the other node to stop
+    assert lost_node(tmp_path, 2, step_ended=True, step_failed=True) is None
+    record(1, signal="SIGKILL", exit_code=-9)
+    assert lost_node(tmp_path, 2, step_ended=False, step_failed=False).node == 1  # at once, while the step runs
+    record_path(tmp_path, 1).unlink()
+    assert lost_node(tmp_path, 2, step_ended=False, step_failed=False) is None
+    assert lost_node(tmp_path, 2, step_ended=True, step_failed=True).node == 1
+    assert lost_node(tmp_path, 2, step_ended=True, step_failed=False) is None

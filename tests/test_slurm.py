@@ -34,6 +34,13 @@ def _in_allocation(slurm, tmp_path, *command: str, timeout: float = 300):
     return done
 
 
+def _argv(pid: int) -> list[str]:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def _result(done) -> dict:
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
@@ -102,3 +109,34 @@ def test_a_killed_tuner_takes_its_job_step_with_it(slurm, tmp_path):
         time.sleep(0.5)
     assert processes_mentioning(str(tmp_path)) == [], "the job step outlived the killed tuner"
     tuner.wait(60)
+
+
+def test_a_node_whose_task_goes_away_ends_the_step_as_node_lost(slurm, tmp_path):
+    """The node agent and everything under it killed: no record of how it ended, and srun's exit code (143) is
+    the same as for a failed rank; the missing record is how the driver knows the node was lost."""
+    import threading
+
+    from autotune.launch.launcher import process_tree
+
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(done=_in_allocation(
+        slurm, tmp_path, sys.executable, "-c", TRIAL, "tests.models:hang", "240", str(tmp_path / "trial"))))
+    start = time.monotonic()
+    thread.start()
+    agents = []
+    while len(agents) < 2 and time.monotonic() - start < 60:
+        agents = [pid for pid in processes_mentioning("autotune.worker.node_agent " + str(tmp_path))
+                  if _argv(pid)[1:3] == ["-m", "autotune.worker.node_agent"]]  # not srun, whose arguments name it
+        time.sleep(0.2)
+    assert len(agents) == 2, "the step's two node agents never started"
+    time.sleep(8)  # the ranks are training (hung in the test model's forward)
+    for pid in process_tree(max(agents)):
+        os.kill(pid, __import__("signal").SIGKILL)
+    thread.join(120)
+    result = _result(box["done"])
+    assert result["status"] == "node_lost" and "without a record" in result["error"], result
+    assert time.monotonic() - start < 90, "the trial waited for its timeout"
+    deadline = time.monotonic() + 30
+    while processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(str(tmp_path)) == [], "a rank or agent outlived the lost node"

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Callable, Protocol
 
 from autotune import interrupts
 from autotune.config import RankMemory, Status, TrialRequest, TrialResult, write_json_atomic
@@ -157,27 +157,118 @@ def start_torchrun(
     )
 
 
-# How often a waiting launch looks for a stop request from another thread.
-POLL_S = 0.25
+# How often the wait loop looks at the agents, their records and a stop request from another thread.
+POLL_S = 0.1
+# How long the other agents get to write their ranks' error records after one
+# failed on its own, before they are stopped.
+PEER_GRACE_S = 3.0
 
 
-def wait_or_interrupt(proc: subprocess.Popen | ForkedProcess, timeout_s: float) -> bool:
-    """Wait for ``proc`` to end; False when ``timeout_s`` passed first.
+@dataclass(frozen=True)
+class LostNode:
+    """A node of a multi-node trial that went away mid-trial, and how that was known."""
 
-    In the main thread a signal interrupts the wait by itself; in a slot's
-    thread the stop request is polled.
-    """
+    node: int
+    how: str
+
+
+class Agents(Protocol):
+    """A trial's running torchrun agents, however they were started: one local
+    process (one node), one per simulated node, or the tasks of a Slurm step.
+    :func:`run_agents` watches and stops every kind with the same loop."""
+
+    def poll(self) -> list[int | None]:
+        """Each watched process's exit code, None while it runs."""
+
+    def lost(self) -> LostNode | None:
+        """The node that went away, decided from exit codes and the records the
+        nodes write, never from words in the log."""
+
+    def exit_code(self) -> int | None:
+        """The job's exit code once it has ended: the first failure, else 0."""
+
+    def stop(self) -> None:
+        """Take down every agent and its ranks (a no-op for those already ended)."""
+
+
+class OneAgent:
+    """One torchrun agent on this host: a one-node trial."""
+
+    def __init__(self, proc: subprocess.Popen | ForkedProcess) -> None:
+        self.proc = proc
+
+    def poll(self) -> list[int | None]:
+        return [self.proc.poll()]
+
+    def lost(self) -> LostNode | None:
+        return None
+
+    def exit_code(self) -> int | None:
+        return self.proc.returncode
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            kill_process_tree(self.proc)
+
+
+@dataclass(frozen=True)
+class Ending:
+    timed_out: bool = False
+    lost: LostNode | None = None
+
+
+def watch(agents: Agents, timeout_s: float) -> Ending:
+    """Wait for the agents to end, a node to be lost, or ``timeout_s``. An agent
+    that fails on its own (a rank's error) leaves its peers a moment to record
+    theirs. In the main thread a signal interrupts the wait by itself; in a
+    slot's thread the stop request is polled."""
     deadline = time.monotonic() + timeout_s
+    failed_at = None
     while True:
         interrupts.check()
+        codes = agents.poll()
+        lost = agents.lost()
+        if lost is not None:
+            return Ending(lost=lost)
+        if all(code is not None for code in codes):
+            return Ending()
+        if any(code for code in codes if code is not None):
+            failed_at = failed_at or time.monotonic()
+            if time.monotonic() - failed_at > PEER_GRACE_S:
+                return Ending()
         left = deadline - time.monotonic()
         if left <= 0:
-            return False
+            return Ending(timed_out=True)
+        time.sleep(min(POLL_S, left))
+
+
+def run_agents(request: TrialRequest, trial_dir: Path, timeout_s: float,
+               start: Callable[[Path, IO[bytes]], Agents]) -> LaunchOutcome:
+    """Run one trial to its end, however its agents are started: write its
+    request, start the agents (``start(config_path, log)``), watch them, stop
+    whatever is left, and classify how the trial ended."""
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    config_path = trial_dir / "config.json"
+    write_json_atomic(config_path, request.to_dict())
+    log_path = trial_dir / "log.txt"
+    start_s, started_at = time.perf_counter(), time.time()
+    agents: Agents | None = None
+    with open(log_path, "ab") as log:
         try:
-            proc.wait(timeout=min(POLL_S, left))
-            return True
-        except subprocess.TimeoutExpired:
-            continue
+            agents = start(config_path, log)
+            ending = watch(agents, timeout_s)
+        finally:
+            # A timeout, a lost node, Ctrl-C, SIGTERM or any other interruption
+            # of the driver stops the whole job.
+            if agents is not None:
+                agents.stop()
+    if ending.lost is not None:
+        result = TrialResult(status=Status.NODE_LOST, exit_code=agents.exit_code(),
+                             error=f"node {ending.lost.node} was lost mid-trial: {ending.lost.how}; its peers were stopped")
+    else:
+        result = classify(trial_dir, agents.exit_code(), ending.timed_out, timeout_s, log_path)
+    return LaunchOutcome(result=result, wall_s=time.perf_counter() - start_s, log_path=log_path, trial_dir=trial_dir,
+                         started_at=started_at, ended_at=time.time())
 
 
 def launch_trial(
@@ -189,28 +280,14 @@ def launch_trial(
     devices: tuple[int, ...] | None = None,
     forks: ForkServer | None = None,
 ) -> LaunchOutcome:
-    """Run one trial to its end; ``devices`` (GPU indices, or CPU cores) confines
-    it to a slot; ``forks`` starts its processes without paying imports."""
-    trial_dir.mkdir(parents=True, exist_ok=True)
-    config_path = trial_dir / "config.json"
-    write_json_atomic(config_path, request.to_dict())
-    log_path = trial_dir / "log.txt"
-    start = time.perf_counter()
-    started_at = time.time()
-    with open(log_path, "wb") as log:
-        proc = start_torchrun(torchrun_command(nproc, config_path, trial_dir), log,
-                              trial_env(nproc, device_type, devices), device_type, devices, forks)
-        try:
-            timed_out = not wait_or_interrupt(proc, timeout_s)
-        finally:
-            # A timeout, Ctrl-C, SIGTERM or any other interruption of the
-            # driver stops the whole job.
-            if proc.poll() is None:
-                kill_process_tree(proc)
-    wall_s = time.perf_counter() - start
-    result = classify(trial_dir, proc.returncode, timed_out, timeout_s, log_path)
-    return LaunchOutcome(result=result, wall_s=wall_s, log_path=log_path, trial_dir=trial_dir,
-                         started_at=started_at, ended_at=time.time())
+    """Run one one-node trial to its end; ``devices`` (GPU indices, or CPU cores)
+    confines it to a slot; ``forks`` starts its processes without paying imports."""
+
+    def start(config_path: Path, log: IO[bytes]) -> Agents:
+        return OneAgent(start_torchrun(torchrun_command(nproc, config_path, trial_dir), log,
+                                       trial_env(nproc, device_type, devices), device_type, devices, forks))
+
+    return run_agents(request, trial_dir, timeout_s, start)
 
 
 def _log_tail(log_path: Path) -> str:

@@ -9,6 +9,9 @@ Two launchers, one shape of job:
 - ``slurm``: inside an allocation, one job step (``srun``) whose tasks are the
   agents, one per node, ``--kill-on-bad-exit`` so a lost task ends the step.
 
+Both are :class:`autotune.launch.launcher.Agents`, watched and stopped by the
+same loop as a one-node trial (:func:`autotune.launch.launcher.run_agents`).
+
 A node lost mid-trial (its agent killed, or its Slurm task gone) ends the
 trial at once as ``node_lost``, naming the node, rather than leaving its
 peers blocked in a collective until the trial timeout; a timeout, or the
@@ -17,26 +20,24 @@ tuner stopping, takes down every agent (locally) or the whole step (Slurm).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
+from typing import IO
 
-from autotune import interrupts
-from autotune.config import Status, TrialRequest, TrialResult, write_json_atomic
+from autotune.config import TrialRequest
 from autotune.errors import UsageError
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.process_life import die_with_parent
-from autotune.launch.launcher import POLL_S, LaunchOutcome, classify, kill_process_tree, start_torchrun, trial_env
-
-# How long the other agents get to write their ranks' error records after one
-# failed on its own, before they are stopped.
-PEER_GRACE_S = 3.0
+from autotune.launch.launcher import (LaunchOutcome, LostNode, kill_process_tree, run_agents, start_torchrun,
+                                      trial_env)
+from autotune.worker.node_agent import record_path
 
 
 def free_port() -> int:
@@ -68,16 +69,41 @@ def node_devices(devices: tuple[int, ...] | None, nnodes: int, node: int) -> tup
     return tuple(devices[node * share:(node + 1) * share])
 
 
+class LocalNodes:
+    """One torchrun agent per simulated node, all on this host. The driver is
+    every agent's parent, so an agent's exit code is the truth: one killed by
+    a signal (the driver sends none while it watches) is a lost node."""
+
+    def __init__(self, agents: list) -> None:
+        self.agents = agents
+
+    def poll(self) -> list[int | None]:
+        return [a.poll() for a in self.agents]
+
+    def lost(self) -> LostNode | None:
+        for node, agent in enumerate(self.agents):
+            code = agent.returncode
+            if code is not None and code < 0:
+                return LostNode(node, f"its torchrun agent was killed by {signal.Signals(-code).name}")
+        return None
+
+    def exit_code(self) -> int | None:
+        return _first_failure([a.returncode for a in self.agents])
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                kill_process_tree(agent)
+
+
 def launch_local(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: float, device_type: str,
                  devices: tuple[int, ...] | None, forks: ForkServer | None) -> LaunchOutcome:
     """``request.nnodes`` agents on this host, one simulated node each."""
     nnodes = request.nnodes
-    config_path = _write_config(request, trial_dir)
-    log_path = trial_dir / "log.txt"
-    endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"autotune-{uuid.uuid4().hex[:12]}"
-    start, started_at = time.perf_counter(), time.time()
-    agents = []
-    with open(log_path, "ab") as log:
+
+    def start(config_path: Path, log: IO[bytes]) -> LocalNodes:
+        endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"autotune-{uuid.uuid4().hex[:12]}"
+        nodes = LocalNodes([])
         try:
             for node in range(nnodes):
                 mine = node_devices(devices, nnodes, node)
@@ -85,56 +111,19 @@ def launch_local(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
                            f"--node-rank={node}", *worker_args(config_path, trial_dir)]
                 log.write(f"autotune: simulated node {node} of {nnodes}, devices {mine}: {' '.join(command[1:])}\n".encode())
                 log.flush()
-                agents.append(start_torchrun(command, log, trial_env(nproc, device_type, mine), device_type, mine, forks))
-            timed_out, lost = _watch(agents, timeout_s)
-        finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    kill_process_tree(agent)
-    if lost is not None:
-        result = TrialResult(status=Status.NODE_LOST, failed_rank=None, exit_code=agents[lost].returncode,
-                             error=f"node {lost} was lost mid-trial: its torchrun agent was killed by "
-                                   f"{signal.Signals(-agents[lost].returncode).name}; its peers were stopped")
-    else:
-        result = classify(trial_dir, _job_exit_code(agents), timed_out, timeout_s, log_path)
-    return LaunchOutcome(result=result, wall_s=time.perf_counter() - start, log_path=log_path, trial_dir=trial_dir,
-                         started_at=started_at, ended_at=time.time())
+                nodes.agents.append(start_torchrun(command, log, trial_env(nproc, device_type, mine), device_type, mine,
+                                                   forks))
+        except BaseException:
+            nodes.stop()
+            raise
+        return nodes
+
+    return run_agents(request, trial_dir, timeout_s, start)
 
 
-def _watch(agents: list, timeout_s: float) -> tuple[bool, int | None]:
-    """Wait for every agent; (timed out, the node lost if one was). An agent that
-    dies by a signal is a lost node; one that fails on its own (a rank's error)
-    leaves its peers a moment to record theirs, then they are stopped."""
-    deadline = time.monotonic() + timeout_s
-    failed_at = None
-    while True:
-        interrupts.check()
-        codes = [a.poll() for a in agents]
-        lost = next((i for i, code in enumerate(codes) if code is not None and code < 0), None)
-        if lost is not None:
-            return False, lost
-        if all(code is not None for code in codes):
-            return False, None
-        if any(code for code in codes if code is not None):
-            failed_at = failed_at or time.monotonic()
-            if time.monotonic() - failed_at > PEER_GRACE_S:
-                return False, None
-        if time.monotonic() >= deadline:
-            return True, None
-        time.sleep(POLL_S)
-
-
-def _job_exit_code(agents: list) -> int | None:
-    """The job's exit code: the first agent's failure, else 0."""
-    codes = [a.returncode for a in agents]
+def _first_failure(codes: list[int | None]) -> int | None:
+    """The job's exit code: the first agent's failure, else 0 (None while any runs)."""
     return next((c for c in codes if c), 0 if all(c == 0 for c in codes) else None)
-
-
-def _write_config(request: TrialRequest, trial_dir: Path) -> Path:
-    trial_dir.mkdir(parents=True, exist_ok=True)
-    path = trial_dir / "config.json"
-    write_json_atomic(path, request.to_dict())
-    return path
 
 
 def slurm_allocation(environ: dict[str, str] | None = None) -> tuple[str, int] | None:
@@ -160,13 +149,60 @@ def first_node_address(environ: dict[str, str] | None = None) -> str:
 
 def srun_command(nnodes: int, nproc: int, allocated_nodes: int, endpoint: str, rdzv_id: str, config_path: Path,
                  trial_dir: Path) -> list[str]:
-    """One job step, one torchrun agent per node: ``--ntasks-per-node 1`` when the
-    allocation has a node for each, else the agents share nodes (``--overcommit``)."""
+    """One job step, one torchrun agent per node, each under the node agent that
+    records how it ended: ``--ntasks-per-node 1`` when the allocation has a node
+    for each, else the agents share nodes (``--overcommit``)."""
     placement = ["--nodes", str(nnodes), "--ntasks-per-node", "1"] if allocated_nodes >= nnodes else \
         ["--nodes", str(allocated_nodes), "--overcommit"]
     return ["srun", "--ntasks", str(nnodes), *placement, "--kill-on-bad-exit=1", "--job-name", rdzv_id,
+            sys.executable, "-m", "autotune.worker.node_agent", str(trial_dir), "--",
             sys.executable, "-m", "torch.distributed.run", *agent_args(nnodes, nproc, endpoint, rdzv_id),
             *worker_args(config_path, trial_dir)]
+
+
+class SlurmStep:
+    """The tasks of one Slurm job step, one node agent each, watched through the
+    srun that started them. srun's exit code is the same (143) whether a rank
+    failed or a node went away, so the nodes' records decide
+    (:mod:`autotune.worker.node_agent`)."""
+
+    def __init__(self, step: subprocess.Popen, job: str, step_name: str, nnodes: int, trial_dir: Path) -> None:
+        self.step, self.job, self.step_name, self.nnodes, self.trial_dir = step, job, step_name, nnodes, trial_dir
+
+    def poll(self) -> list[int | None]:
+        return [self.step.poll()]
+
+    def lost(self) -> LostNode | None:
+        return lost_node(self.trial_dir, self.nnodes, step_ended=self.step.poll() is not None,
+                         step_failed=bool(self.step.returncode))
+
+    def exit_code(self) -> int | None:
+        return self.step.returncode
+
+    def stop(self) -> None:
+        if self.step.poll() is None:
+            cancel_step(self.job, self.step_name)
+            kill_process_tree(self.step)
+
+
+def lost_node(trial_dir: Path, nnodes: int, step_ended: bool, step_failed: bool) -> LostNode | None:
+    """The node whose agent was killed by a signal of its own (not Slurm's
+    SIGTERM to a step being ended), or, once a failed step has ended, the first
+    node that left no record at all: its task went away before it could write."""
+    records = {}
+    for node in range(nnodes):
+        try:
+            records[node] = json.loads(record_path(trial_dir, node).read_text())
+        except (OSError, ValueError):
+            continue
+    for node, record in sorted(records.items()):
+        if record.get("signal") and record["signal"] != "SIGTERM" and not record.get("stopped"):
+            return LostNode(node, f"its torchrun agent was killed by {record['signal']}")
+    if step_ended and step_failed:
+        missing = [node for node in range(nnodes) if node not in records]
+        if missing:
+            return LostNode(missing[0], "its Slurm task ended without a record (the node failed, or the task was killed)")
+    return None
 
 
 def launch_slurm(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: float, device_type: str) -> LaunchOutcome:
@@ -175,13 +211,11 @@ def launch_slurm(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
     if allocation is None:
         raise RuntimeError("--launcher slurm runs inside a Slurm allocation (salloc or sbatch): SLURM_JOB_ID is not set")
     job, allocated = allocation
-    config_path = _write_config(request, trial_dir)
-    log_path = trial_dir / "log.txt"
-    rdzv_id = f"autotune-{uuid.uuid4().hex[:12]}"
-    command = srun_command(request.nnodes, nproc, allocated, f"{first_node_address()}:{free_port()}", rdzv_id,
-                           config_path, trial_dir)
-    start, started_at = time.perf_counter(), time.time()
-    with open(log_path, "ab") as log:
+
+    def start(config_path: Path, log: IO[bytes]) -> SlurmStep:
+        rdzv_id = f"autotune-{uuid.uuid4().hex[:12]}"
+        command = srun_command(request.nnodes, nproc, allocated, f"{first_node_address()}:{free_port()}", rdzv_id,
+                               config_path, trial_dir)
         log.write(f"autotune: job {job}, step {rdzv_id}: {' '.join(command)}\n".encode())
         log.flush()
         # srun dies with the tuner by SIGTERM, not SIGKILL: it passes SIGTERM on
@@ -189,28 +223,9 @@ def launch_slurm(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
         step = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=trial_env(nproc, device_type, None), start_new_session=True,
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-        try:
-            timed_out = not _wait(step, timeout_s)
-        finally:
-            if step.poll() is None:
-                cancel_step(job, rdzv_id)
-                kill_process_tree(step)
-    result = classify(trial_dir, step.returncode, timed_out, timeout_s, log_path)
-    if result.status == Status.CRASH and _task_lost(log_path):
-        result = TrialResult(status=Status.NODE_LOST, exit_code=step.returncode,
-                             error=f"a node was lost mid-trial (Slurm: {_task_lost(log_path)}); the step was ended")
-    return LaunchOutcome(result=result, wall_s=time.perf_counter() - start, log_path=log_path, trial_dir=trial_dir,
-                         started_at=started_at, ended_at=time.time())
+        return SlurmStep(step, job, rdzv_id, request.nnodes, trial_dir)
 
-
-def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None:
-        interrupts.check()
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(POLL_S)
-    return True
+    return run_agents(request, trial_dir, timeout_s, start)
 
 
 def cancel_step(job: str, step_name: str) -> None:
@@ -222,19 +237,6 @@ def cancel_step(job: str, step_name: str) -> None:
         if len(parts) == 2 and parts[1] == step_name:
             subprocess.run(["scancel", "--signal=KILL", parts[0]], capture_output=True, timeout=30)
             subprocess.run(["scancel", parts[0]], capture_output=True, timeout=30)
-
-
-def _task_lost(log_path: Path) -> str | None:
-    """Slurm's own line about a task or node that went away, if the step log has one."""
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("srun:") and ("Killed" in line or "lost" in line.lower() or "NODE_FAIL" in line
-                                         or "task" in line and "terminated" in line and "signal" in line):
-            return line.strip()
-    return None
 
 
 def check_launcher(launcher: str, nnodes: int, trial_root: Path) -> None:
