@@ -7,24 +7,21 @@ optuna, and bad input is refused before any of them is needed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Sequence
 
 from autotune import __version__, interrupts
-from autotune.config import CUDA_TIMED_STEPS, CUDA_TIMING_BUDGET_S, DEFAULT_TIMED_STEPS, LAUNCHERS, MIN_WARMUP_STEPS, SEARCHES
+from autotune.config import CUDA_TIMED_STEPS, CUDA_TIMING_BUDGET_S, LAUNCHERS, MIN_WARMUP_STEPS, SEARCHES
 from autotune.errors import UsageError
 from autotune.study import outages
 from autotune.outputs.formats import FORMATS
 from autotune.study.storage import DEFAULT_STORAGE
 
-# Enough for the search to reach the best within noise on the replayed table
-# (benchmarks/results/search_efficiency_cpu.md), with room for the confirmation
-# round, in about 4 minutes on 2 cores.
-DEFAULT_TRIALS = 16
-DEFAULT_CONFIRM_ROUNDS = 3
-DEFAULT_TRIAL_TIMEOUT_S = 300.0
+from autotune.study.settings import ExecutionSettings, MeasureSettings, SearchSettings, StudySettings
+
+# Every default is the settings section's own (autotune/study/settings.py).
+SEARCH, MEASURE, EXECUTION = SearchSettings(), MeasureSettings(), ExecutionSettings()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,7 +102,7 @@ def _add_run(commands: Any) -> None:
                           "or module:function returning a torch module (default: llama-tiny, the CPU default)")
     run.add_argument("--nproc", type=_positive_int, default=None,
                      help="ranks per node (default: the number of visible GPUs, or 2 on a host with none)")
-    run.add_argument("--nnodes", type=_positive_int, default=1,
+    run.add_argument("--nnodes", type=_positive_int, default=StudySettings.nnodes,
                      help="nodes each trial spans, --nproc ranks on each, joined by torchrun's c10d rendezvous (default: 1)")
     run.add_argument("--launcher", choices=("auto", *LAUNCHERS), default="auto",
                      help="what starts a multi-node trial's agents: local (the nodes simulated on this host, to check a "
@@ -117,10 +114,10 @@ def _add_run(commands: Any) -> None:
                           "cut to the model's position limit)")
     run.add_argument("--space", default="default",
                      help="search space YAML file, or a built-in name: default, smoke (default: default)")
-    run.add_argument("--trials", type=_positive_int, default=DEFAULT_TRIALS,
-                     help=f"trials to launch in this run; pruned and reused ones do not count (default: {DEFAULT_TRIALS})")
-    run.add_argument("--trial-timeout", type=_positive_float, default=DEFAULT_TRIAL_TIMEOUT_S, metavar="SECONDS",
-                     help=f"kill a trial's whole torchrun job after this long and record it as a timeout (default: {DEFAULT_TRIAL_TIMEOUT_S:g})")
+    run.add_argument("--trials", type=_positive_int, default=SEARCH.trials,
+                     help=f"trials to launch in this run; pruned and reused ones do not count (default: {SEARCH.trials})")
+    run.add_argument("--trial-timeout", type=_positive_float, default=EXECUTION.trial_timeout_s, metavar="SECONDS",
+                     help=f"kill a trial's whole torchrun job after this long and record it as a timeout (default: {EXECUTION.trial_timeout_s:g})")
     run.add_argument("--study-name", default=None,
                      help="study to create or resume (default: derived from model, ranks, seq len, budget and global batch)")
     run.add_argument("--storage", default=DEFAULT_STORAGE,
@@ -143,28 +140,29 @@ def _add_run(commands: Any) -> None:
 
 def _add_search_flags(run: Any) -> None:
     """How ``autotune run`` searches and measures: seeds, timing, confirmation, sampler, estimate."""
-    run.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the synthetic data (default: 0)")
-    run.add_argument("--warmup-steps", type=_at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory"), default=MIN_WARMUP_STEPS,
+    run.add_argument("--seed", type=int, default=SEARCH.seed,
+                     help=f"seed of the sampler and of the synthetic data (default: {SEARCH.seed})")
+    run.add_argument("--warmup-steps", type=_at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory"), default=MEASURE.warmup_steps,
                      help=f"untimed steps before timing, at least {MIN_WARMUP_STEPS}: the first allocates optimizer "
-                          f"state, the last measures peak memory (default: {MIN_WARMUP_STEPS})")
+                          f"state, the last measures peak memory (default: {MEASURE.warmup_steps})")
     run.add_argument("--timed-steps", type=_positive_int, default=None,
-                     help=f"most timed steps per trial; tokens/s uses their median step time (default: {DEFAULT_TIMED_STEPS} "
+                     help=f"most timed steps per trial; tokens/s uses their median step time (default: {MEASURE.timed_steps} "
                           f"on CPU, where trials of one configuration differ by more than their steps do; "
                           f"{CUDA_TIMED_STEPS} on a GPU, where --timing-budget bounds them)")
     run.add_argument("--timing-budget", type=_positive_float, default=None, metavar="SECONDS",
                      help="stop timing a trial's steps after this many seconds of them (at least 3 steps), even if "
                           f"--timing-ci is not met (default: none on CPU, {CUDA_TIMING_BUDGET_S:g} on a GPU)")
-    run.add_argument("--timing-ci", type=_fraction, default=0.02, metavar="FRACTION",
+    run.add_argument("--timing-ci", type=_fraction, default=MEASURE.timing_ci, metavar="FRACTION",
                      help="stop timing a trial, after at least 3 steps, once its median step time is known to within "
-                          "this fraction at 95%% confidence; 0 always runs every timed step (default: 0.02)")
-    run.add_argument("--confirm", type=_at_least(0), default=DEFAULT_CONFIRM_ROUNDS, metavar="ROUNDS",
+                          f"this fraction at 95%% confidence; 0 always runs every timed step (default: {MEASURE.timing_ci:g})")
+    run.add_argument("--confirm", type=_at_least(0), default=SEARCH.confirm, metavar="ROUNDS",
                      help="after the search, re-measure the finalists (the best and those within its noise, at most 4) "
                           "and two references in this many interleaved rounds of fresh trials, to name the winner and "
-                          f"its ties; 0 skips it (default: {DEFAULT_CONFIRM_ROUNDS})")
-    run.add_argument("--sampler", choices=SEARCHES, default="autotune",
+                          f"its ties; 0 skips it (default: {SEARCH.confirm})")
+    run.add_argument("--sampler", choices=SEARCHES, default=SEARCH.sampler,
                      help="what picks the next configuration: autotune (the memory frontier, then a model of the "
                           "measured trials; never a configuration twice) or one of Optuna's samplers "
-                          "(tpe, gp with the memory constraint, random) (default: autotune)")
+                          f"(tpe, gp with the memory constraint, random) (default: {SEARCH.sampler})")
     run.add_argument("--no-estimate", action="store_true",
                      help="launch every configuration, without first predicting its peak memory (default: predict, "
                           "and skip configurations predicted over budget)")
@@ -239,8 +237,8 @@ def _add_measure(commands: Any) -> None:
                                   description="Launch one trial from an exported JSON file (or a trial's config.json) and print its result.")
     measure.add_argument("file", help="exported best_config.json, or a trial's config.json")
     measure.add_argument("--nproc", type=_positive_int, default=None, help="ranks (default: the measured world size, else 2)")
-    measure.add_argument("--trial-timeout", type=_positive_float, default=DEFAULT_TRIAL_TIMEOUT_S, metavar="SECONDS",
-                         help=f"kill the job after this long (default: {DEFAULT_TRIAL_TIMEOUT_S:g})")
+    measure.add_argument("--trial-timeout", type=_positive_float, default=EXECUTION.trial_timeout_s, metavar="SECONDS",
+                         help=f"kill the job after this long (default: {EXECUTION.trial_timeout_s:g})")
     measure.add_argument("--output-dir", default=None, help="where the trial's files go (default: a new temporary folder)")
 
 

@@ -58,6 +58,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     from autotune.launch.host import probe
     from autotune.presets import choose_seq_len, parse_model_spec
     from autotune.study import RunSettings, check_resumable, default_study_name
+    from autotune.study.settings import ExecutionSettings, MeasureSettings, SearchSettings, StudySettings
     from autotune.study.space import load_space
     from autotune.study.storage import check_storage_url
     from autotune.units import parse_memory
@@ -84,23 +85,25 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     if args.global_batch_size is not None:
         space = space.for_global_batch(args.global_batch_size, nproc * args.nnodes)
     settings = RunSettings(
-        model=_model_argument(spec, args.model), model_label=spec.label, nproc=nproc,
-        seq_len=seq_len, budget_bytes=budget, budget_text=budget_text, space=space, trials=args.trials,
-        trial_timeout_s=args.trial_timeout,
-        study_name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size,
-                                                         args.nnodes),
-        storage_url=args.storage, seed=args.seed, warmup_steps=args.warmup_steps,
-        timed_steps=args.timed_steps or timed_steps, timing_ci=args.timing_ci,
-        timing_budget_s=args.timing_budget or timing_budget, quiet=args.quiet, device_type=host.device_type, slots=slots,
-        use_estimate=not args.no_estimate, confirm=args.confirm, search=args.sampler,
-        global_batch_size=args.global_batch_size, nnodes=args.nnodes, launcher=launcher, hub_id=spec.hub_id,
+        study=StudySettings(
+            model=_model_argument(spec, args.model), model_label=spec.label, nproc=nproc, seq_len=seq_len,
+            budget_bytes=budget, budget_text=budget_text, space=space,
+            name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size,
+                                                       args.nnodes),
+            storage_url=args.storage, nnodes=args.nnodes, global_batch_size=args.global_batch_size, hub_id=spec.hub_id),
+        search=SearchSettings(trials=args.trials, sampler=args.sampler, seed=args.seed,
+                              use_estimate=not args.no_estimate, confirm=args.confirm),
+        measure=MeasureSettings(warmup_steps=args.warmup_steps, timed_steps=args.timed_steps or timed_steps,
+                                timing_ci=args.timing_ci, timing_budget_s=args.timing_budget or timing_budget),
+        execution=ExecutionSettings(trial_timeout_s=args.trial_timeout, launcher=launcher, device_type=host.device_type,
+                                    slots=slots, quiet=args.quiet),
     )
     check_resumable(settings)
     if launcher == "slurm":
         from autotune.launch.multinode import check_launcher
         from autotune.study.storage import study_dir
 
-        check_launcher(launcher, args.nnodes, study_dir(settings.storage_url, settings.study_name))
+        check_launcher(launcher, args.nnodes, study_dir(settings.study.storage_url, settings.study.name))
     return settings, host, model
 
 
@@ -137,11 +140,11 @@ def _run(args: argparse.Namespace, forks: Any) -> int:
     from autotune.study.storage import mask_url, prepare_storage
 
     settings, host, model = run_settings(args, forks)
-    prepare_storage(settings.storage_url)
+    prepare_storage(settings.study.storage_url)
     if not args.quiet:
         print(f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "
-              f"on {settings.nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {settings.seq_len}, "
-              f"budget {settings.budget_text} per rank; study {settings.study_name} in {mask_url(settings.storage_url)}",
+              f"on {settings.study.nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {settings.study.seq_len}, "
+              f"budget {settings.study.budget_text} per rank; study {settings.study.name} in {mask_url(settings.study.storage_url)}",
               file=sys.stderr)
     run = run_study(settings, host, model, forks=forks, on_trial_complete=update_study_note)
     if run.interrupted is not None:

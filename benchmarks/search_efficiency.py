@@ -49,11 +49,11 @@ from pathlib import Path
 
 import optuna
 
-from autotune.cli import DEFAULT_CONFIRM_ROUNDS, DEFAULT_TRIALS
 from autotune.config import ABORT_CHECK_STEPS, FsdpConfig, TrialRequest, TrialResult
 from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launch.launcher import LaunchOutcome
 from autotune.study import RunSettings, run_study
+from autotune.study.settings import ExecutionSettings, SearchSettings, StudySettings
 from autotune.study.margin import memory_key
 from autotune.study.record import Attr, is_confirmation, trial_config
 from autotune.study.space import load_space
@@ -67,7 +67,7 @@ from reporting import publish  # noqa: E402
 BAND = 0.03
 PERCENTILES = (0.10, 0.25, 0.50, 0.75, 0.90)
 # The shipped defaults, as `autotune run` uses them.
-DEFAULT_TRIALS, DEFAULT_CONFIRM = DEFAULT_TRIALS, DEFAULT_CONFIRM_ROUNDS
+DEFAULT_TRIALS, DEFAULT_CONFIRM = SearchSettings.trials, SearchSettings.confirm
 TARGETS = {"median": 8, "p90": 16, "vs_random": 4.0, "confirmed": 0.90}
 
 
@@ -193,10 +193,12 @@ def replay_tuner(budget: Budget, seed: int, launches: int, work: Path, search: s
     """The real tuner (``run_study``) on the table."""
     table = budget.table
     settings = RunSettings(
-        model=table.header["model"], model_label=table.header["model"], nproc=table.nproc, seq_len=table.seq_len,
-        budget_bytes=budget.bytes, budget_text=format_bytes(budget.bytes), space=load_space(table.header["space"]),
-        trials=launches, trial_timeout_s=600, study_name=f"seed{seed}", storage_url=f"sqlite:///{work}/replay.db",
-        seed=seed, quiet=True, device_type=table.host.device_type, search=search, seed_frontier=frontier, confirm=confirm,
+        study=StudySettings(model=table.header["model"], model_label=table.header["model"], nproc=table.nproc,
+                            seq_len=table.seq_len, budget_bytes=budget.bytes, budget_text=format_bytes(budget.bytes),
+                            space=load_space(table.header["space"]), name=f"seed{seed}",
+                            storage_url=f"sqlite:///{work}/replay.db"),
+        search=SearchSettings(trials=launches, sampler=search, seed=seed, seed_frontier=frontier, confirm=confirm),
+        execution=ExecutionSettings(trial_timeout_s=600, device_type=table.host.device_type, quiet=True),
     )
     start = time.perf_counter()
     run = run_study(settings, table.host, table.model, launch=TableLaunch(budget, seed), estimator=TableEstimator(table),

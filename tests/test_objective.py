@@ -16,6 +16,7 @@ from autotune.config import FsdpConfig, RankMemory, TrialResult
 from autotune.launch.host import HostInfo, ModelInfo
 from autotune.launch.launcher import LaunchOutcome
 from autotune.study import RunSettings, run_study
+from autotune.study.settings import ExecutionSettings, SearchSettings, StudySettings
 from autotune.study.baseline import standard_recipe
 from autotune.study.claims import runner_identity
 from autotune.study.record import CONSTRAINT_KEY, Attr, StudyAttr
@@ -72,9 +73,12 @@ def settings(tmp_path, space: str, budget: int = 100 * MiB, trials: int = 5, **c
 
     changes.setdefault("confirm", 0)  # the confirmation round has tests of its own
 
-    return RunSettings(model="tiny", model_label="tiny", nproc=2, seq_len=32, budget_bytes=budget, budget_text="100MiB",
-                       space=parse_space(yaml.safe_load(space), "test.yaml"), trials=trials, trial_timeout_s=30,
-                       study_name="s", storage_url=f"sqlite:///{tmp_path}/unused.db", quiet=True, **changes)
+    search = {("sampler" if key == "search" else key): value for key, value in changes.items()}
+    return RunSettings(
+        study=StudySettings(model="tiny", model_label="tiny", nproc=2, seq_len=32, budget_bytes=budget,
+                            budget_text="100MiB", space=parse_space(yaml.safe_load(space), "test.yaml"), name="s",
+                            storage_url=f"sqlite:///{tmp_path}/unused.db"),
+        search=SearchSettings(trials=trials, **search), execution=ExecutionSettings(trial_timeout_s=30, quiet=True))
 
 
 TWO = "fsdp_version: [1, 2]\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: 1\n"
@@ -111,7 +115,7 @@ def test_the_baseline_is_enqueued_once_across_runs(tmp_path):
     second, launch, _ = run(tmp_path, storage=storage)
     baselines = [t for t in second.study.trials if t.user_attrs.get(Attr.BASELINE)]
     assert len(baselines) == 1 and baselines[0].number == 0
-    assert baselines[0].user_attrs[Attr.CONFIG] == standard_recipe(HOST, LAYER, settings(tmp_path, TWO).space).to_dict()
+    assert baselines[0].user_attrs[Attr.CONFIG] == standard_recipe(HOST, LAYER, settings(tmp_path, TWO).study.space).to_dict()
     assert launch.launched == []  # the space was measured in the first run
 
 
@@ -223,7 +227,7 @@ def test_a_configuration_another_tuner_is_measuring_is_waited_for_and_reused(tmp
     space = RECIPE
     storage = optuna.storages.InMemoryStorage()
     other = optuna.create_study(study_name="s", storage=storage, direction="maximize")
-    cfg = standard_recipe(HOST, LAYER, settings(tmp_path, space).space)
+    cfg = standard_recipe(HOST, LAYER, settings(tmp_path, space).study.space)
     running = other.ask()
     for name, value in ((Attr.CONFIG, cfg.to_dict()), (Attr.CLAIMED, True), (Attr.RUNNER, runner_identity())):
         running.set_user_attr(name, value)
@@ -250,7 +254,7 @@ def test_a_running_trial_left_by_a_dead_tuner_is_failed_and_queued_again(tmp_pat
     storage = optuna.storages.InMemoryStorage()
     other = optuna.create_study(study_name="s", storage=storage, direction="maximize")
     stale = other.ask()
-    cfg = standard_recipe(HOST, LAYER, settings(tmp_path, space).space)
+    cfg = standard_recipe(HOST, LAYER, settings(tmp_path, space).study.space)
     stale.set_user_attr(Attr.CONFIG, cfg.to_dict())
     stale.set_user_attr(Attr.RUNNER, {**runner_identity(), "pid": dead.pid})
     outcome, launch, _ = run(tmp_path, space=space, storage=storage)

@@ -67,7 +67,7 @@ def test_no_configuration_is_drawn_or_launched_twice_under_a_tight_budget(tmp_pa
     # Measured over the budget, they are infeasible like any other: the launch told.
     assert not any(is_feasible(t) for t in near)
     # Everything that fits was measured, and the run says that is why it stopped.
-    fitting = [c for c in settings(tmp_path, SPACE).space.enumerate(LAYER) if peak(c) <= 50 * MiB]
+    fitting = [c for c in settings(tmp_path, SPACE).study.space.enumerate(LAYER) if peak(c) <= 50 * MiB]
     assert run.stop_reason == "space exhausted"
     assert {c.key() for c in fitting} <= set(keys)
     excluded = run.study.user_attrs[StudyAttr.EXCLUDED]
@@ -106,7 +106,7 @@ def test_frontier_falls_back_to_checkpointing_only_when_nothing_fits_without():
 
 def test_the_search_finds_the_best_within_a_few_launches(tmp_path):
     budget = 60
-    best = max((c for c in settings(tmp_path, SPACE).space.enumerate(LAYER) if peak(c) <= budget * MiB), key=speed)
+    best = max((c for c in settings(tmp_path, SPACE).study.space.enumerate(LAYER) if peak(c) <= budget * MiB), key=speed)
     run, launch = search(tmp_path, budget_mib=budget, trials=8)
     found = max((c for c in launch.launched if peak(c) <= budget * MiB), key=speed)
     assert speed(found) >= 0.97 * speed(best), (found.describe(), best.describe())
@@ -179,7 +179,7 @@ def test_fp16_on_a_host_that_runs_it_slowly_is_not_where_the_search_starts(tmp_p
     from autotune.study.search import ModelSearch, host_priors
 
     space = settings(tmp_path, "mixed_precision: [fp32, bf16, fp16]\nsharding_strategy: [FULL_SHARD, NO_SHARD]\n"
-                               "micro_batch_size: [1, 2]\n").space
+                               "micro_batch_size: [1, 2]\n").study.space
     host = dataclasses.replace(HOST, bf16_speedup=7.3, fp16_speedup=0.06)
     search = ModelSearch(space.enumerate(LAYER), LAYER, lambda cfg: (1.0, None), host_priors(host, 32, (1, 2)))
     assert [c.mixed_precision for c in search.frontier()] == ["bf16", "bf16"]
@@ -214,7 +214,7 @@ def test_the_frontier_spans_checkpointing_and_micro_batch_and_the_probe_orders_i
     from autotune.study.search import ModelSearch, host_priors
 
     space = settings(tmp_path, "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: bf16\n"
-                               "activation_checkpointing: [none, selective, full]\nmicro_batch_size: [1, 2, 4, 8]\n").space
+                               "activation_checkpointing: [none, selective, full]\nmicro_batch_size: [1, 2, 4, 8]\n").study.space
     candidates = space.enumerate(LAYER)
 
     def fits(c):  # no checkpointing fits 1, selective 2, full 8 samples (NO_SHARD one size less)

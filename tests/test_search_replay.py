@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import search_efficiency as replay  # noqa: E402
 
 from autotune.study import RunSettings, run_study  # noqa: E402
+from autotune.study.settings import ExecutionSettings, SearchSettings, StudySettings  # noqa: E402
 from autotune.study.record import Attr, is_confirmation, trial_config  # noqa: E402
 from autotune.study.space import load_space  # noqa: E402
 from autotune.units import format_bytes  # noqa: E402
@@ -43,10 +44,12 @@ def test_a_tight_budget_never_draws_a_configuration_twice_or_over_budget(tight, 
     budget, root = tight
     monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(root / "locks"))
     table = budget.table
-    settings = RunSettings(model=table.header["model"], model_label="slice", nproc=table.nproc, seq_len=table.seq_len,
-                           budget_bytes=budget.bytes, budget_text=format_bytes(budget.bytes),
-                           space=load_space(table.header["space"]), trials=30, trial_timeout_s=600, study_name="slice",
-                           storage_url=f"sqlite:///{root}/s{seed}/unused.db", seed=seed, quiet=True, confirm=0)
+    settings = RunSettings(
+        study=StudySettings(model=table.header["model"], model_label="slice", nproc=table.nproc, seq_len=table.seq_len,
+                            budget_bytes=budget.bytes, budget_text=format_bytes(budget.bytes),
+                            space=load_space(table.header["space"]), name="slice",
+                            storage_url=f"sqlite:///{root}/s{seed}/unused.db"),
+        search=SearchSettings(trials=30, seed=seed, confirm=0), execution=ExecutionSettings(trial_timeout_s=600, quiet=True))
     run = run_study(settings, table.host, table.model, launch=replay.TableLaunch(budget, seed),
                     estimator=replay.TableEstimator(table), storage=optuna.storages.InMemoryStorage())
     search = [t for t in run.study.trials if trial_config(t) is not None and not is_confirmation(t)]

@@ -14,12 +14,12 @@ from autotune.launch.host import HostInfo, ModelInfo
 
 def _settings(tmp_path, **changes):
     from autotune.study.space import load_space
-    from autotune.study import RunSettings
+    from autotune.study.settings import ExecutionSettings, RunSettings, SearchSettings, StudySettings
 
     fields = dict(model="llama-tiny", model_label="llama-tiny", nproc=2, seq_len=32, budget_bytes=10**9,
-                  budget_text="1GB", space=load_space("smoke"), trials=1, trial_timeout_s=60, study_name="race",
-                  storage_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
-    return RunSettings(**{**fields, **changes})
+                  budget_text="1GB", space=load_space("smoke"), name="race", storage_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    return RunSettings(study=StudySettings(**{**fields, **changes}), search=SearchSettings(trials=1),
+                       execution=ExecutionSettings(trial_timeout_s=60))
 
 
 def test_a_study_created_by_another_tuner_meanwhile_is_joined(tmp_path, monkeypatch):
@@ -29,10 +29,10 @@ def test_a_study_created_by_another_tuner_meanwhile_is_joined(tmp_path, monkeypa
     from autotune.study.storage import open_storage
 
     settings = _settings(tmp_path)
-    storage = open_storage(settings.storage_url)
+    storage = open_storage(settings.study.storage_url)
     optuna.create_study(study_name="race", storage=storage, direction="maximize")
     # The look that happened before the other tuner's create found nothing.
-    monkeypatch.setattr(study_module.optuna, "get_all_study_summaries", lambda *a, **k: [])
+    monkeypatch.setattr(optuna, "get_all_study_summaries", lambda *a, **k: [])
     study = study_module.load_or_create_study(settings, storage)
     assert study.study_name == "race"
 
@@ -42,13 +42,13 @@ def test_concurrent_creators_of_one_new_study_all_succeed(tmp_path):
     from autotune.study import load_or_create_study
 
     settings = _settings(tmp_path)
-    open_storage(settings.storage_url)  # the schema exists; the study does not
+    open_storage(settings.study.storage_url)  # the schema exists; the study does not
     start, errors = threading.Barrier(4), []
 
     def create():
         start.wait()
         try:
-            load_or_create_study(settings, open_storage(settings.storage_url))
+            load_or_create_study(settings, open_storage(settings.study.storage_url))
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -58,7 +58,7 @@ def test_concurrent_creators_of_one_new_study_all_succeed(tmp_path):
     for t in threads:
         t.join()
     assert errors == []
-    assert optuna.get_all_study_names(settings.storage_url) == ["race"]
+    assert optuna.get_all_study_names(settings.study.storage_url) == ["race"]
 
 
 def test_writers_of_one_file_never_share_a_temporary_name(tmp_path):

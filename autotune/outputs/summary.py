@@ -45,7 +45,7 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
         f"{counts.aborted} stopped early, {counts.failed} failed; {len(trials)} trials in the study."
     )
     excluded = study.user_attrs.get(StudyAttr.EXCLUDED, {}).get("count", 0)
-    if settings.use_estimate:
+    if settings.search.use_estimate:
         plan = run.plan
         print(f"The memory estimate ruled out {excluded + counts.predicted_over} configurations before launch"
               + (f", from {plan.fake_steps} fake steps ({plan.fake_step_s:.0f}s of work, {plan.estimate_wait_s:.0f}s of "
@@ -62,8 +62,8 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
         print_verdict(verdict, settings)
     else:
         print_unconfirmed(best, trials, settings)
-    path = best_config_path(settings.storage_url, study.study_name)
-    write_export(build_export(study, best, settings.storage_url), str(path))
+    path = best_config_path(settings.study.storage_url, study.study_name)
+    write_export(build_export(study, best, settings.study.storage_url), str(path))
     print(f"  wrote {path}")
     return 0
 
@@ -81,8 +81,8 @@ def print_top(trials: list, settings: RunSettings) -> None:
         [t.number, f"{t.value:,.0f}", format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES]), t.user_attrs.get(Attr.LABEL)]
         for t in top[:TOP_N]
     ]
-    print(f"\nTop configurations of the search, one trial each (budget {settings.budget_text} = "
-          f"{format_bytes(settings.budget_bytes)} per rank):")
+    print(f"\nTop configurations of the search, one trial each (budget {settings.study.budget_text} = "
+          f"{format_bytes(settings.study.budget_bytes)} per rank):")
     print(format_table(["#", "tokens/s", "peak", "configuration"], rows, right=(0, 1, 2)))
 
 
@@ -96,8 +96,8 @@ def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
     w = verdict.winner
     print(f"\nBest (confirmed): {w.label}")
     print(f"  {w.mean:,.0f} tokens/s (95% CI {_ci_text(w.ci95)}, {w.rounds} rounds), peak "
-          f"{format_bytes(w.peak_memory_bytes or 0)} = {100 * (w.peak_memory_bytes or 0) / settings.budget_bytes:.1f}% "
-          f"of the {settings.budget_text} budget")
+          f"{format_bytes(w.peak_memory_bytes or 0)} = {100 * (w.peak_memory_bytes or 0) / settings.study.budget_bytes:.1f}% "
+          f"of the {settings.study.budget_text} budget")
     for tie in verdict.ties:
         cheaper = " and needs less memory" if (tie.peak_memory_bytes or 0) < (w.peak_memory_bytes or 0) else ""
         print(f"  Tie{cheaper}: {tie.label}: {tie.mean:,.0f} tokens/s, peak {format_bytes(tie.peak_memory_bytes or 0)} "
@@ -118,8 +118,8 @@ def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
     peak = best.user_attrs[Attr.PEAK_MEMORY_BYTES]
     print(f"\nBest (one trial, not confirmed; --confirm N re-measures the finalists): trial #{best.number}: "
           f"{best.user_attrs.get(Attr.LABEL)}")
-    print(f"  {best.value:,.0f} tokens/s, peak {format_bytes(peak)} = {100 * peak / settings.budget_bytes:.1f}% "
-          f"of the {settings.budget_text} budget")
+    print(f"  {best.value:,.0f} tokens/s, peak {format_bytes(peak)} = {100 * peak / settings.study.budget_bytes:.1f}% "
+          f"of the {settings.study.budget_text} budget")
     baseline = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.BASELINE)), None)
     if baseline is not None and baseline.value:
         print(f"  {best.value / baseline.value:.2f}x the baseline trial #{baseline.number} "
@@ -155,7 +155,7 @@ def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> st
     """Why the study has no feasible trial: nothing fits (measured, out of
     memory, or predicted), or nothing could be measured at all (crashes,
     timeouts), which is never called "nothing fits"."""
-    budget, text = settings.budget_bytes, settings.budget_text
+    budget, text = settings.study.budget_bytes, settings.study.budget_text
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     peaks = [(t.user_attrs[Attr.PEAK_MEMORY_BYTES], t) for t in complete if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
     failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) in (Cause.CRASH, Cause.TIMEOUT)]

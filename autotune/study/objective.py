@@ -121,7 +121,7 @@ def record_out_of_memory(trial: optuna.Trial, result: TrialResult, budget_bytes:
 
 def topology_of(settings: RunSettings, model: ModelInfo) -> Topology:
     """What decides which configurations of this run are one program."""
-    return Topology(settings.world_size, settings.nnodes, model.num_params, model.num_layers)
+    return Topology(settings.world_size, settings.study.nnodes, model.num_params, model.num_layers)
 
 
 class Objective:
@@ -157,7 +157,7 @@ class Objective:
             # A fresh re-measurement of a finalist: never reused, never stopped early.
             self._tally(confirmed=1)
             return self._launch(trial, cfg, abort=False)
-        reason = host_incompatibility(cfg, self.host, self.settings.nnodes, self.settings.world_size)
+        reason = host_incompatibility(cfg, self.host, self.settings.study.nnodes, self.settings.world_size)
         if reason is None:
             reason = self.gate.check(trial, cfg)
             if reason is not None:
@@ -178,7 +178,7 @@ class Objective:
     def _draw(self, trial: optuna.Trial) -> FsdpConfig:
         with self._lock:
             # Proposing and recording the proposal are one step: slots run in threads.
-            cfg = draw(trial, self.study, self.settings.space, self.model.layer_classes, self.search, self.sampler,
+            cfg = draw(trial, self.study, self.settings.study.space, self.model.layer_classes, self.search, self.sampler,
                        self.topology)
         trial.set_user_attr(Attr.LABEL, cfg.describe())
         trial.set_user_attr(Attr.RUNNER, runner_identity())
@@ -197,16 +197,18 @@ class Objective:
 
     def _launch(self, trial: optuna.Trial, cfg: FsdpConfig, abort: bool = True) -> float:
         best = self.best_value()
-        s = self.settings
-        request = TrialRequest(fsdp=cfg, model=s.model, seq_len=s.seq_len, warmup_steps=s.warmup_steps,
-                               timed_steps=s.timed_steps, timing_ci=s.timing_ci, timing_budget_s=s.timing_budget_s,
-                               seed=s.seed, nnodes=s.nnodes, grad_accum_steps=s.grad_accum_steps(cfg.micro_batch_size),
-                               memory_budget_bytes=s.budget_bytes, quiet_lock=self.gate.cores.quiet,
+        question, measure = self.settings.study, self.settings.measure
+        request = TrialRequest(fsdp=cfg, model=question.model, seq_len=question.seq_len,
+                               warmup_steps=measure.warmup_steps, timed_steps=measure.timed_steps,
+                               timing_ci=measure.timing_ci, timing_budget_s=measure.timing_budget_s,
+                               seed=self.settings.search.seed, nnodes=question.nnodes,
+                               grad_accum_steps=self.settings.grad_accum_steps(cfg.micro_batch_size),
+                               memory_budget_bytes=question.budget_bytes, quiet_lock=self.gate.cores.quiet,
                                abort_below_tokens_per_s=best / ABORT_FACTOR if best and abort else None)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)
         # Every trial holds its devices: other tuners on this host wait their turn.
-        slots = list(s.slots) or [tuple(range(self.host.device_count))]
+        slots = list(self.settings.execution.slots) or [tuple(range(self.host.device_count))]
         waiting = lambda: self._line(trial, cfg, "waiting for a free device slot")  # noqa: E731
         with device_slot(self.host.device_type, slots, on_wait=waiting) as slot:
             trial.set_user_attr(Attr.DEVICES, list(slot))
@@ -223,7 +225,7 @@ class Objective:
 
     def _record(self, trial: optuna.Trial, cfg: FsdpConfig, result: TrialResult, best: float | None) -> float:
         self._note_crash(trial, result)
-        budget = self.settings.budget_bytes
+        budget = self.settings.study.budget_bytes
         if result.status == Status.OK:
             peak = write_measurement(trial, result, budget)
             fit = "fits" if peak <= budget else f"OVER budget by {format_bytes(peak - budget)}"

@@ -79,12 +79,12 @@ def torchrun_launch(settings: RunSettings, host: HostInfo, forks: ForkServer | N
     """Trials as real torchrun jobs, forked from ``forks`` when it is ready."""
 
     def launch(request, trial_dir, slot):
-        if settings.launcher == "slurm":
-            return launch_slurm(request, trial_dir, settings.nproc, settings.trial_timeout_s, host.device_type)
-        if settings.nnodes > 1:
-            return launch_local(request, trial_dir, settings.nproc, settings.trial_timeout_s, host.device_type,
+        if settings.execution.launcher == "slurm":
+            return launch_slurm(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s, host.device_type)
+        if settings.study.nnodes > 1:
+            return launch_local(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s, host.device_type,
                                 devices=slot, forks=forks)
-        return launch_trial(request, trial_dir, settings.nproc, settings.trial_timeout_s, host.device_type,
+        return launch_trial(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s, host.device_type,
                             devices=slot, forks=forks)
 
     return launch
@@ -101,13 +101,13 @@ def run_study(
     forks: ForkServer | None = None,
     on_trial_complete: Callable[[optuna.Study], None] | None = None,
 ) -> RunOutcome:
-    """Search until ``settings.trials`` launches are done or the space is exhausted, then confirm the finalists.
+    """Search until ``settings.search.trials`` launches are done or the space is exhausted, then confirm the finalists.
 
     Without ``launch`` trials are torchrun jobs, forked from ``forks`` (started
     here when not handed in; the caller closes one it hands in); without
-    ``estimator`` and with ``settings.use_estimate`` fake steps forked from it
+    ``estimator`` and with ``settings.search.use_estimate`` fake steps forked from it
     predict memory; without ``storage`` the study lives at
-    ``settings.storage_url``. ``on_trial_complete`` runs after every measured
+    ``settings.study.storage_url``. ``on_trial_complete`` runs after every measured
     trial (the dashboard note), and never stops the run.
     """
     check_resumable(settings)
@@ -116,7 +116,7 @@ def run_study(
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     owned = forks is None and launch is None
     if owned:
-        forks = ForkServer(model=settings.model)
+        forks = ForkServer(model=settings.study.model)
     start = time.perf_counter()
     try:
         parts = _assemble(settings, host, model, launch, estimator, storage, forks)
@@ -127,7 +127,7 @@ def run_study(
     interrupted, result = None, None
     try:
         _search(parts, on_trial_complete)
-        if settings.confirm:
+        if settings.search.confirm:
             result = _confirm(parts, on_trial_complete)
     except KeyboardInterrupt as exc:
         interrupted = exc if isinstance(exc, interrupts.Interrupted) else interrupts.Interrupted(signal.SIGINT)
@@ -151,32 +151,32 @@ def run_study(
 
 def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: LaunchFn | None,
               estimator: Estimator | None, storage: Any, forks: ForkServer | None) -> _Parts:
-    sampler = make_sampler(settings.search, settings.seed)
-    study = load_or_create_study(settings, storage or open_storage(settings.storage_url, heartbeat=True), sampler)
+    sampler = make_sampler(settings.search.sampler, settings.search.seed)
+    study = load_or_create_study(settings, storage or open_storage(settings.study.storage_url, heartbeat=True), sampler)
     study.set_user_attr(StudyAttr.HOST, host.as_dict())
-    folder = study_dir(settings.storage_url, settings.study_name)
-    reporter = Reporter(folder, settings.trials, settings.quiet)
-    if settings.use_estimate and estimator is None:
+    folder = study_dir(settings.study.storage_url, settings.study.name)
+    reporter = Reporter(folder, settings.search.trials, settings.execution.quiet)
+    if settings.search.use_estimate and estimator is None:
         from autotune.launch.estimator_client import EstimatorClient
 
-        estimator = EstimatorClient(settings.model, settings.world_size, settings.nnodes, settings.seq_len,
-                                    timeout_s=settings.trial_timeout_s, global_batch_size=settings.global_batch_size,
+        estimator = EstimatorClient(settings.study.model, settings.world_size, settings.study.nnodes, settings.study.seq_len,
+                                    timeout_s=settings.execution.trial_timeout_s, global_batch_size=settings.study.global_batch_size,
                                     forks=forks)
-    gate = MemoryGate(study, settings.space, model.layer_classes, settings.budget_bytes, host.device_type,
-                      estimator if settings.use_estimate else None, reporter.say, estimate_cores(settings, host))
+    gate = MemoryGate(study, settings.study.space, model.layer_classes, settings.study.budget_bytes, host.device_type,
+                      estimator if settings.search.use_estimate else None, reporter.say, estimate_cores(settings, host))
     candidates = runnable_classes(settings, host, model)
     search = None
-    if settings.search == "autotune":
-        priors = host_priors(host, settings.seq_len, settings.space.choices.get("micro_batch_size", (1,)))
-        search = ModelSearch(candidates, model.layer_classes, gate, priors, seed=settings.seed,
-                             use_frontier=settings.seed_frontier, say=reporter.say)
+    if settings.search.sampler == "autotune":
+        priors = host_priors(host, settings.study.seq_len, settings.study.space.choices.get("micro_batch_size", (1,)))
+        search = ModelSearch(candidates, model.layer_classes, gate, priors, seed=settings.search.seed,
+                             use_frontier=settings.search.seed_frontier, say=reporter.say)
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
-                          gate=gate, claims=Claims(study, study_mutex(storage_of(study), settings.study_name, folder / "claims.lock"),
-                                        settings.trial_timeout_s + 60),
+                          gate=gate, claims=Claims(study, study_mutex(storage_of(study), settings.study.name, folder / "claims.lock"),
+                                        settings.execution.trial_timeout_s + 60),
                           reporter=reporter, folder=folder, search=search,
                           sampler=sampler if search is not None else None)
     space_keys = {c.key() for c in candidates} if len(candidates) <= 4 * MAX_IDLE_DRAWS or search else None
-    stopper = Stopper(objective.counts, settings.trials, space_keys, reporter, search)
+    stopper = Stopper(objective.counts, settings.search.trials, space_keys, reporter, search)
     return _Parts(study, settings, host, model, reporter, gate, objective, stopper, forks, search)
 
 
@@ -186,10 +186,10 @@ def estimate_cores(settings: RunSettings, host: HostInfo) -> Cores:
     keep about one core each busy, and the tuner itself one more."""
     cores = sorted(os.sched_getaffinity(0))
     if host.device_type == "cpu":
-        used = set().union(*(cpu_cores(slot) for slot in settings.slots)) if settings.slots else set(cores)
+        used = set().union(*(cpu_cores(slot) for slot in settings.execution.slots)) if settings.execution.slots else set(cores)
         spare = tuple(c for c in cores if c not in used)
     else:
-        busy = settings.world_size // settings.nnodes * max(1, len(settings.slots)) + 1
+        busy = settings.world_size // settings.study.nnodes * max(1, len(settings.execution.slots)) + 1
         spare = tuple(cores[busy:])
     # A fake step holds the model's structure, not its tensors: a few hundred MB each.
     return Cores(idle=max(1, min(len(cores), 16)), spare=spare[:16], quiet=None if spare else str(quiet_lock_path()))
@@ -197,8 +197,8 @@ def estimate_cores(settings: RunSettings, host: HostInfo) -> Cores:
 
 def runnable_classes(settings: RunSettings, host: HostInfo, model: ModelInfo) -> list[FsdpConfig]:
     """The space's classes of configurations (each once, under its simplest name) that this host can run."""
-    configs = settings.space.enumerate(model.layer_classes, topology_of(settings, model))
-    return [c for c in configs if host_incompatibility(c, host, settings.nnodes, settings.world_size) is None]
+    configs = settings.study.space.enumerate(model.layer_classes, topology_of(settings, model))
+    return [c for c in configs if host_incompatibility(c, host, settings.study.nnodes, settings.world_size) is None]
 
 
 def _search(parts: _Parts, on_trial_complete) -> None:
@@ -207,8 +207,8 @@ def _search(parts: _Parts, on_trial_complete) -> None:
     if parts.search is not None and parts.gate.plan.active and not study.get_trials(deepcopy=False):
         # Before the first trial every core is free: the standard recipe's fake steps are made side by
         # side now, and the frontier's first ones in the background while the recipe's trial runs.
-        recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.space)
-        sizes = sorted(settings.space.choices.get("micro_batch_size", (1,)))
+        recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.study.space)
+        sizes = sorted(settings.study.space.choices.get("micro_batch_size", (1,)))
         parts.gate.prefetch([recipe.replace(micro_batch_size=m) for m in (sizes[0], sizes[-1])])
         parts.gate.speculate(parts.search.first_needs())
     # Several tuners may start on one study at once: one of them enqueues the first trials.
@@ -217,9 +217,9 @@ def _search(parts: _Parts, on_trial_complete) -> None:
             # The recipe's micro batch is the largest predicted to fit; unpredicted, the smallest.
             plan = parts.gate.plan
             fit_chance = parts.gate.fit_chance if plan.active or plan.all_fit else None
-            recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.space, fit_chance)
+            recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.study.space, fit_chance)
             enqueue_baseline(study, canonical(recipe, parts.objective.topology))
-            if settings.seed_frontier and parts.search is None:
+            if settings.search.seed_frontier and parts.search is None:
                 _enqueue_frontier(parts)
         recover_stale_trials(study, parts.reporter.say)
     if parts.stopper.nothing_left(study):
@@ -230,13 +230,13 @@ def _search(parts: _Parts, on_trial_complete) -> None:
         parts.reporter.say(f"Fork server unavailable ({parts.forks.error}); each trial starts fresh interpreters.")
     parts.reporter.start_bar()
     study.optimize(parts.objective, callbacks=[_after_trial(parts, on_trial_complete), parts.stopper],
-                   catch=(TrialFailed,), n_jobs=max(1, len(settings.slots)))
+                   catch=(TrialFailed,), n_jobs=max(1, len(settings.execution.slots)))
 
 
 def _enqueue_frontier(parts: _Parts) -> None:
     """Queue the memory frontier for one of Optuna's samplers (autotune's search proposes it itself)."""
     candidates = runnable_classes(parts.settings, parts.host, parts.model)
-    priors = host_priors(parts.host, parts.settings.seq_len, parts.settings.space.choices.get("micro_batch_size", (1,)))
+    priors = host_priors(parts.host, parts.settings.study.seq_len, parts.settings.study.space.choices.get("micro_batch_size", (1,)))
     seeds = ModelSearch(candidates, parts.model.layer_classes, parts.gate, priors).frontier()
     held = held_keys(parts.study, parts.model.layer_classes)
     for cfg in seeds:
@@ -251,15 +251,15 @@ def _confirm(parts: _Parts, on_trial_complete) -> Verdict | None:
     """Re-measure the finalists and the references in interleaved rounds; store and return the verdict."""
     study, settings = parts.study, parts.settings
     with parts.objective.claims.mutex():
-        entries = confirm.round_entries(study, parts.host, settings.space, parts.model.layer_classes, settings.nnodes,
+        entries = confirm.round_entries(study, parts.host, settings.study.space, parts.model.layer_classes, settings.study.nnodes,
                                         lambda cfg: parts.gate.fit_chance(cfg)[1], parts.objective.topology)
-        queued = confirm.enqueue_rounds(study, entries, settings.confirm) if entries else 0
+        queued = confirm.enqueue_rounds(study, entries, settings.search.confirm) if entries else 0
     if not entries:
         return None
     if queued:
         finalists = sum(e.role == Role.FINALIST for e in entries)
         parts.reporter.say(f"Confirmation: {finalists} finalist(s) and {len(entries) - finalists} reference(s), "
-                           f"{settings.confirm} interleaved round(s); {queued} fresh trial(s) to run.")
+                           f"{settings.search.confirm} interleaved round(s); {queued} fresh trial(s) to run.")
         study.optimize(parts.objective, n_trials=queued, callbacks=[_after_trial(parts, on_trial_complete)],
                        catch=(TrialFailed,), n_jobs=1)
     result = confirm.verdict(study, entries)

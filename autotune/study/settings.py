@@ -1,5 +1,10 @@
 """What a run is asked to do, and which study in the storage holds it.
 
+The sections (``StudySettings``, ``SearchSettings``, ``MeasureSettings``,
+``ExecutionSettings``) declare every default once; the command line reads its
+defaults from them. Optuna loads only when a study is opened, so that
+``autotune --help`` does not pay for it.
+
 A study is the answer to one question (this model, world size, seq len,
 budget and space): rerunning the same command resumes it, and a command that
 asks another question is refused before anything is written.
@@ -8,55 +13,33 @@ asks another question is refused before anything is written.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import optuna
-
-from autotune.config import DEFAULT_TIMED_STEPS, SEARCHES, accumulation_steps
+from autotune.config import DEFAULT_TIMED_STEPS, MIN_WARMUP_STEPS, SEARCHES, accumulation_steps
 from autotune.errors import UsageError
-from autotune.study.record import METRIC_NAME, StudyAttr
-from autotune.study.space import SearchSpace
 from autotune.study.storage import open_storage, sqlite_path
+
+if TYPE_CHECKING:
+    import optuna
+
+    from autotune.study.space import SearchSpace
 
 
 @dataclass(frozen=True)
-class RunSettings:
-    model: str
+class StudySettings:
+    """The question a study answers, and where its answer is stored: rerunning
+    with the same question resumes the study."""
+
+    model: str  # what the worker is given: a preset, a config.json path, module:function
     model_label: str
-    nproc: int
+    nproc: int  # ranks per node
     seq_len: int
     budget_bytes: int
-    budget_text: str
+    budget_text: str  # as the user wrote it, for names and summaries
     space: SearchSpace
-    trials: int
-    trial_timeout_s: float
-    study_name: str
+    name: str
     storage_url: str
-    seed: int = 0
-    warmup_steps: int = 2
-    timed_steps: int = DEFAULT_TIMED_STEPS
-    timing_ci: float = 0.02
-    # Most seconds of timed steps per trial (see TrialRequest.timing_budget_s); None: by count only.
-    timing_budget_s: float | None = None
-    # Nodes a trial spans, nproc ranks on each, and what starts their agents:
-    # "local" (simulated nodes on this host) or "slurm" (a job step).
     nnodes: int = 1
-    launcher: str = "local"
-    # Predict each configuration's peak before launch and skip those over budget.
-    use_estimate: bool = True
-    quiet: bool = False
-    device_type: str = "cpu"
-    # Device sets a trial may run on (GPU indices, or CPU cores); one trial per
-    # slot at a time, so several slots run trials side by side.
-    slots: tuple[tuple[int, ...], ...] = ()
-    # What picks the next configuration: "autotune" (the frontier, then a model
-    # of the measured trials; see autotune.study.search), or one of Optuna's
-    # samplers: "tpe", "gp" (with the memory constraint), "random".
-    search: str = "autotune"
-    # Queue the memory frontier right after the baseline.
-    seed_frontier: bool = True
-    # Rounds of the confirmation round; 0 skips it.
-    confirm: int = 3
     # Samples per optimizer step across all ranks, held by gradient
     # accumulation; None: one micro batch per step, as the space draws it.
     global_batch_size: int | None = None
@@ -64,12 +47,69 @@ class RunSettings:
     # is its config.json here.
     hub_id: str | None = None
 
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """How configurations are chosen, and how the best is confirmed."""
+
+    # Enough for the search to reach the best within noise on the replayed table
+    # (benchmarks/results/search_efficiency_cpu.md), with room for the
+    # confirmation round, in about 4 minutes on 2 cores.
+    trials: int = 16
+    # What picks the next configuration: "autotune" (the frontier, then a model
+    # of the measured trials; see autotune.study.search), or one of Optuna's
+    # samplers: "tpe", "gp" (with the memory constraint), "random".
+    sampler: str = "autotune"
+    seed: int = 0
+    # Queue the memory frontier right after the baseline.
+    seed_frontier: bool = True
+    # Predict each configuration's peak before launch and skip those over budget.
+    use_estimate: bool = True
+    # Rounds of the confirmation round; 0 skips it.
+    confirm: int = 3
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """What one trial measures (see TrialRequest, which carries these to the worker)."""
+
+    warmup_steps: int = MIN_WARMUP_STEPS
+    timed_steps: int = DEFAULT_TIMED_STEPS  # on CUDA, CUDA_TIMED_STEPS unless given
+    timing_ci: float = 0.02
+    # Most seconds of timed steps per trial (see TrialRequest.timing_budget_s); None: by count only.
+    timing_budget_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ExecutionSettings:
+    """Where and how trials run; none of it changes what a study measures."""
+
+    trial_timeout_s: float = 300.0
+    # What starts a trial's agents: "local" (one node, or simulated nodes on
+    # this host) or "slurm" (a job step).
+    launcher: str = "local"
+    device_type: str = "cpu"
+    # Device sets a trial may run on (GPU indices, or CPU cores); one trial per
+    # slot at a time, so several slots run trials side by side.
+    slots: tuple[tuple[int, ...], ...] = ()
+    quiet: bool = False
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a run is asked to do, one section each, as torchtitan's JobConfig is."""
+
+    study: StudySettings
+    search: SearchSettings = SearchSettings()
+    measure: MeasureSettings = MeasureSettings()
+    execution: ExecutionSettings = ExecutionSettings()
+
     @property
     def world_size(self) -> int:
-        return self.nproc * self.nnodes
+        return self.study.nproc * self.study.nnodes
 
     def grad_accum_steps(self, micro_batch_size: int) -> int:
-        return accumulation_steps(self.global_batch_size, micro_batch_size, self.world_size)
+        return accumulation_steps(self.study.global_batch_size, micro_batch_size, self.world_size)
 
 
 def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str,
@@ -86,28 +126,32 @@ LATER_IDENTITY = {"global_batch_size": None, "nnodes": 1}
 
 def study_identity(settings: RunSettings) -> dict[str, Any]:
     return {
-        "model": settings.hub_id or settings.model,
-        "nproc": settings.nproc,
-        "seq_len": settings.seq_len,
-        "budget_bytes": settings.budget_bytes,
-        "space_digest": settings.space.digest,
-        "global_batch_size": settings.global_batch_size,
-        "nnodes": settings.nnodes,
+        "model": settings.study.hub_id or settings.study.model,
+        "nproc": settings.study.nproc,
+        "seq_len": settings.study.seq_len,
+        "budget_bytes": settings.study.budget_bytes,
+        "space_digest": settings.study.space.digest,
+        "global_batch_size": settings.study.global_batch_size,
+        "nnodes": settings.study.nnodes,
     }
 
 
 def check_resumable(settings: RunSettings) -> None:
     """Refuse, before anything is written, to resume a study made for other work."""
-    path = sqlite_path(settings.storage_url)
+    import optuna
+
+    from autotune.study.record import StudyAttr
+
+    path = sqlite_path(settings.study.storage_url)
     if path is not None and not path.exists():
         return
-    summaries = optuna.get_all_study_summaries(open_storage(settings.storage_url), include_best_trial=False)
-    summary = next((s for s in summaries if s.study_name == settings.study_name), None)
+    summaries = optuna.get_all_study_summaries(open_storage(settings.study.storage_url), include_best_trial=False)
+    summary = next((s for s in summaries if s.study_name == settings.study.name), None)
     if summary is None:
         return
     if summary.direction != optuna.study.StudyDirection.MAXIMIZE:
         raise UsageError(
-            f"study {settings.study_name!r} exists with direction {summary.direction.name.lower()}, "
+            f"study {settings.study.name!r} exists with direction {summary.direction.name.lower()}, "
             "but autotune maximizes tokens/s; choose another --study-name"
         )
     stored = summary.user_attrs.get(StudyAttr.IDENTITY, {})
@@ -117,13 +161,15 @@ def check_resumable(settings: RunSettings) -> None:
             stored = {**stored, key: LATER_IDENTITY[key]}
         if key in stored and stored[key] != identity[key]:
             raise UsageError(
-                f"study {settings.study_name!r} was created with {key}={stored[key]!r}, not {identity[key]!r}; "
+                f"study {settings.study.name!r} was created with {key}={stored[key]!r}, not {identity[key]!r}; "
                 "rerun with the original settings or choose another --study-name"
             )
 
 
 def make_sampler(search: str, seed: int) -> optuna.samplers.BaseSampler:
     """The Optuna sampler of a search; autotune's own delivers the configurations it proposes."""
+    import optuna
+
     if search == "autotune":
         from autotune.study.search import PlannedSampler
 
@@ -143,19 +189,23 @@ def make_sampler(search: str, seed: int) -> optuna.samplers.BaseSampler:
 def load_or_create_study(settings: RunSettings, storage: Any, sampler: optuna.samplers.BaseSampler | None = None
                          ) -> optuna.Study:
     """Resume the study (see :func:`check_resumable`) or create it."""
-    sampler = sampler or make_sampler(settings.search, settings.seed)
+    import optuna
+
+    from autotune.study.record import METRIC_NAME, StudyAttr
+
+    sampler = sampler or make_sampler(settings.search.sampler, settings.search.seed)
     names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
-    if settings.study_name in names:
-        return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)
+    if settings.study.name in names:
+        return optuna.load_study(study_name=settings.study.name, storage=storage, sampler=sampler)
     try:
         study = optuna.create_study(
-            study_name=settings.study_name, storage=storage, sampler=sampler, direction="maximize"
+            study_name=settings.study.name, storage=storage, sampler=sampler, direction="maximize"
         )
     except optuna.exceptions.DuplicatedStudyError:
         # Another tuner created it between our look and our create: join it.
-        return optuna.load_study(study_name=settings.study_name, storage=storage, sampler=sampler)
+        return optuna.load_study(study_name=settings.study.name, storage=storage, sampler=sampler)
     study.set_metric_names([METRIC_NAME])
     study.set_user_attr(StudyAttr.IDENTITY, study_identity(settings))
-    study.set_user_attr(StudyAttr.BUDGET, settings.budget_text)
-    study.set_user_attr(StudyAttr.SPACE_PATH, settings.space.path)
+    study.set_user_attr(StudyAttr.BUDGET, settings.study.budget_text)
+    study.set_user_attr(StudyAttr.SPACE_PATH, settings.study.space.path)
     return study
