@@ -47,6 +47,24 @@ def _at_least(minimum: int, why: str = ""):
 _positive_int = _at_least(1)
 
 
+def _port(text: str) -> int:
+    port = _positive_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a TCP port; choose one from 1 to 65535")
+    return port
+
+
+def _study_name(text: str) -> str:
+    """A name for a new study: it also names the study's folder of trials, so two names must not share one."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty name; give one, or leave --study-name out for the derived name")
+    odd = sorted({c for c in text if not (c.isalnum() or c in "-_.")})
+    if odd:
+        raise argparse.ArgumentTypeError(f"{text!r} holds {''.join(odd)!r}; use letters, digits, '-', '_' and '.' "
+                                         "(the name is also its folder's)")
+    return text
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -118,7 +136,7 @@ def _add_run(commands: Any) -> None:
                      help=f"trials to launch in this run; pruned and reused ones do not count (default: {SEARCH.trials})")
     run.add_argument("--trial-timeout", type=_positive_float, default=EXECUTION.trial_timeout_s, metavar="SECONDS",
                      help=f"kill a trial's whole torchrun job after this long and record it as a timeout (default: {EXECUTION.trial_timeout_s:g})")
-    run.add_argument("--study-name", default=None,
+    run.add_argument("--study-name", type=_study_name, default=None,
                      help="study to create or resume (default: derived from model, ranks, seq len, budget and global batch)")
     run.add_argument("--storage", default=DEFAULT_STORAGE,
                      help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
@@ -229,7 +247,7 @@ def _add_dashboard(commands: Any) -> None:
                                                 "127.0.0.1 unless --host says otherwise.")
     _add_study_args(dashboard)
     dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    dashboard.add_argument("--port", type=_positive_int, default=8080, help="port (default: 8080)")
+    dashboard.add_argument("--port", type=_port, default=8080, help="port (default: 8080)")
 
 
 def _add_measure(commands: Any) -> None:

@@ -229,10 +229,11 @@ def cmd_trials(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from optuna.trial import TrialState
 
-    from autotune.outputs.export import build_export, write_text
+    from autotune.outputs.export import build_export, check_output, write_text
     from autotune.outputs.formats import render
     from autotune.study.record import Attr, winner
 
+    check_output(args.output)
     study = _open_study(args)
     if args.trial is None:
         trial = winner(study)
@@ -251,10 +252,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from autotune.outputs.export import write_text
+    from autotune.outputs.export import check_output, write_text
     from autotune.outputs.html_report import build_report
     from autotune.study.storage import study_dir
 
+    check_output(args.output)
     study = _open_study(args)
     output = args.output or str(study_dir(args.storage, study.study_name) / "report.html")
     write_text(build_report(study), output)
@@ -263,9 +265,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from autotune.outputs.dashboard import serve, update_study_note
-    from autotune.study.storage import mask_url
+    from autotune.outputs.dashboard import check_address, serve, update_study_note
+    from autotune.study.storage import check_storage_url, mask_url, sqlite_path
 
+    check_storage_url(args.storage, create_dirs=False)
+    path = sqlite_path(args.storage)
+    if path is not None and not path.exists():
+        # Serving it would create an empty database where the user expected theirs.
+        raise UsageError(f"--storage {args.storage}: no study database there; run 'autotune run' first, or pass --storage")
+    check_address(args.host, args.port)
     study = _open_study(args) if args.study_name else None
     if study is not None:
         update_study_note(study)

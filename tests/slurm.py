@@ -34,6 +34,17 @@ class Cluster:
         return subprocess.run(list(args), capture_output=True, text=True, env=self.env, timeout=timeout)
 
     def stop(self) -> None:
+        # Every job this cluster still runs goes first: a step left to a stopped slurmd keeps its slurmstepd and
+        # its tasks alive, orphaned (a test that failed mid-trial left them for the rest of the suite).
+        user = os.environ.get("USER") or __import__("getpass").getuser()
+        for extra in (["--signal=KILL", "--full"], []):
+            try:
+                self.run("scancel", *extra, "--user", user, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and self.run("squeue", "--noheader", timeout=30).stdout.strip():
+            time.sleep(0.5)
         for proc in self.processes:
             proc.terminate()
         for proc in self.processes:

@@ -1,6 +1,7 @@
 """Bad input: one line naming the problem, exit 2, no traceback, and the study database untouched."""
 
 import hashlib
+import os
 from pathlib import Path
 
 import optuna
@@ -49,7 +50,16 @@ CASES = [
     (["trials", "--study-name", "nope"], ["nope", "no such study"]),
     (["export", "--study-name", "made-with-20GB"], ["no feasible trial"]),
     (["frobnicate"], ["invalid choice"]),
+    (["run", "--mem-budget", "20GB", "--study-name", ""], ["--study-name", "empty name"]),
+    (["run", "--mem-budget", "20GB", "--study-name", "a/b"], ["'a/b'", "'/'"]),
+    (["export", "--output", "{dir}"], ["--output", "a folder"]),
+    (["report", "--output", "{dir}"], ["--output", "a folder"]),
+    (["dashboard", "--port", "70000"], ["70000", "1 to 65535"]),
+    (["dashboard", "--host", "999.1.1.1"], ["--host 999.1.1.1", "not an address"]),
+    (["dashboard", "--storage", "sqlite:///typo.db"], ["typo.db", "no study database"]),
 ]
+# Two kept as a user meets them, in a new process: an argument the parser refuses, and one a command refuses.
+IN_A_NEW_PROCESS = {("run", "--mem-budget", "20"), ("trials", "--study-name", "nope")}
 
 
 def _digest(path: Path) -> str:
@@ -80,22 +90,44 @@ def _needs_the_probe(args: list[str]) -> bool:
         any(a.startswith("tests.") for a in args)
 
 
+def _in_process(args: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """``autotune ARGS`` as ``cli.main`` runs it, in this process: no interpreter to start, and a traceback
+    is an error of the test itself."""
+    from autotune import cli, interrupts
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(interrupts, "install", lambda: None)  # the test runner keeps its own signal handlers
+    capsys.readouterr()
+    try:
+        code = cli.main(args)
+    except SystemExit as exc:  # the parser's refusals
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, words", [
     pytest.param(a, w, marks=[pytest.mark.torchrun] if _needs_the_probe(a) else [], id=" ".join(a)[:60]) for a, w in CASES
 ])
-def test_bad_input_is_one_line_and_exit_2(workspace, args, words):
-    from tests.conftest import run_cli
+def test_bad_input_is_one_line_and_exit_2(workspace, args, words, monkeypatch, capsys):
+    from tests.conftest import REPO, run_cli
 
     db = workspace / "studies" / "autotune.db"
     before = _digest(db)
+    new_process = tuple(args) in IN_A_NEW_PROCESS
     args = [a.replace("{dir}", str(workspace)) for a in args]
-    if args[0] in ("run", "trials", "export") and "--storage" not in args:
+    if args[0] in ("run", "trials", "export", "report", "dashboard") and "--storage" not in args:
         args += ["--storage", f"sqlite:///{db}"]
-    done = run_cli(*args, cwd=workspace, timeout=120)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2, done.stderr
-    assert len(lines) == 1, done.stderr
-    assert "Traceback" not in done.stderr
+    if new_process:
+        done = run_cli(*args, cwd=workspace, timeout=120)
+        code, stderr = done.returncode, done.stderr
+    else:
+        # Factories like tests.models:oom import in the probe's process too.
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        code, stderr = _in_process(args, workspace, monkeypatch, capsys)
+    lines = stderr.strip().splitlines()
+    assert code == 2, stderr
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
     for word in words:
         assert word.replace("{dir}", str(workspace)) in lines[0]
     assert _digest(db) == before, "a rejected command changed the study database"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import optuna
 
+from autotune.errors import UsageError
 from autotune.study.record import Attr, StudyAttr, winner
 from autotune.study.verdict import Verdict, read_verdict
 from autotune.units import format_bytes
@@ -61,6 +62,24 @@ def update_study_note(study: optuna.Study) -> None:
     from optuna_dashboard import save_note
 
     save_note(study, study_note(study))
+
+
+def check_address(host: str, port: int) -> None:
+    """Refuse, before the database is opened, an address this machine cannot listen on."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UsageError(f"--host {host}: not an address of this machine ({exc}); e.g. 127.0.0.1, or 0.0.0.0 for all") \
+            from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise UsageError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); choose another "
+                             "--port, or a --host of this machine") from None
 
 
 def serve(storage_url: str, host: str, port: int) -> None:

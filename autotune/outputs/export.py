@@ -12,10 +12,12 @@ import dataclasses
 import json
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 from autotune import __version__
 from autotune.config import SCHEMA, FsdpConfig, accumulation_steps, write_text_atomic
+from autotune.errors import UsageError
 from autotune.study.record import Attr, StudyAttr
 from autotune.study.storage import mask_url
 from autotune.study.verdict import VerdictEntry, read_verdict
@@ -99,9 +101,19 @@ def write_export(doc: dict[str, Any], output: str | None) -> None:
     write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", output)
 
 
+def check_output(output: str | None) -> None:
+    """Refuse, before any work, an --output that can only fail: a folder."""
+    if output not in (None, "-") and Path(output).is_dir():
+        raise UsageError(f"--output {output}: a folder; give a file in it, like {Path(output) / 'best_config.json'}")
+
+
 def write_text(text: str, output: str | None) -> None:
     """To a file, atomically (a reader never sees half of it), or to stdout."""
     if output in (None, "-"):
         sys.stdout.write(text)
         return
-    write_text_atomic(output, text)
+    check_output(output)
+    try:
+        write_text_atomic(output, text)
+    except OSError as exc:
+        raise UsageError(f"--output {output}: cannot write there ({exc.strerror}); choose another file") from None

@@ -42,6 +42,8 @@ def main(argv: list[str]) -> int:
     trial_dir, command = Path(argv[0]), argv[2:]
     node = int(os.environ.get("SLURM_PROCID", "0"))
     path = record_path(trial_dir, node)
+    # A task whose slurmstepd is gone is told to stop, as Slurm would have done.
+    die_with_parent(signal.SIGTERM)
     agent = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
 
     def stopped(signum: int, frame: object) -> None:
