@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -143,16 +144,40 @@ print("imported", len(list(root.rglob("*.py"))), "modules and", len(list(bench.g
 """
 
 
+def _lend_torch(python) -> None:
+    """torch and what it requires, linked into the empty virtualenv rather than unpacked again (a minute of the
+    suite): the README installs torch by hand, and this test is about what autotune declares."""
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    todo, seen = ["torch"], set()
+    while todo:
+        name = _normalized(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # a requirement for another platform (its marker excludes this one)
+        todo += [re.split(r"[<>=!~\[; (]", req, maxsplit=1)[0] for req in dist.requires or [] if "extra ==" not in req]
+        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            if not (site / top).exists():
+                (site / top).symlink_to(dist.locate_file(top))
+
+
 @pytest.mark.torchrun
 def test_the_wheel_with_its_declared_extras_suffices_in_an_empty_virtualenv(installed, tmp_path):
     """What a new machine gets: the wheel and what it declares, nothing installed by hand."""
     _, wheel = installed
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # Without a pip of its own: this one installs into it (--python), and skips compiling bytecode nobody reruns.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    _lend_torch(python)
     # torch==2.13.0 is this machine's CPU build (a bare "torch" would pull a CUDA one);
     # every other requirement is resolved from what the wheel declares.
-    done = subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", f"{wheel}[test,postgres]"],
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile",
+                           "torch==2.13.0", f"{wheel}[test,postgres]"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
