@@ -119,7 +119,7 @@ def slurm():
 # What a test starts, by the fixtures it uses (tests that start processes
 # themselves carry the marker by hand): see docs/testing.md.
 RESOURCE_FIXTURES = {"postgres": "server", "slurm": "server", "chromium": "browser", "forks": "torchrun"}
-RESOURCE_MARKERS = ("torchrun", "server", "browser", "bench")
+RESOURCE_MARKERS = ("torchrun", "server", "browser", "bench", "consumer")
 
 
 def pytest_collection_modifyitems(config, items):

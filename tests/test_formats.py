@@ -119,9 +119,9 @@ TORCHTITAN_SCHEMA = {
 }
 
 
-def test_torchtitan_toml_parses_and_matches_the_schema(case):
+def test_torchtitan_0_2_toml_parses_and_matches_the_schema(case):
     cfg, doc = case
-    text, notes = render(doc, "torchtitan")
+    text, notes = render(doc, "torchtitan-0.2")
     data = tomllib.loads(text)
     for section, keys in data.items():
         for key, value in keys.items():
@@ -140,6 +140,54 @@ def test_torchtitan_toml_parses_and_matches_the_schema(case):
         assert any("torchtitan always uses FSDP2" in n for n in notes)
     if cfg.forward_prefetch:
         assert any("forward_prefetch" in n for n in notes)
+
+
+def torchtitan_overrides(text: str) -> tuple[dict[str, object], str]:
+    """The overrides of a torchtitan export as tyro reads them: --key value, --flag / --no_flag, then the
+    activation-checkpointing subcommand."""
+    words = " ".join(line for line in text.splitlines() if not line.startswith("#")).split()
+    values: dict[str, object] = {}
+    *options, subcommand = words
+    i = 0
+    while i < len(options):
+        key = options[i].removeprefix("--")
+        if i + 1 < len(options) and not options[i + 1].startswith("--"):
+            values[key], i = options[i + 1], i + 2
+        else:
+            section, _, name = key.partition(".")
+            flag = not name.startswith("no_")
+            values[f"{section}.{name.removeprefix('no_')}"], i = flag, i + 1
+    return values, subcommand
+
+
+def test_torchtitan_0_3_overrides_say_what_the_trial_ran(case):
+    """Their keys are checked by torchtitan's own parser in tests/test_torchtitan_export.py."""
+    cfg, doc = case
+    text, notes = render(doc, "torchtitan")
+    values, subcommand = torchtitan_overrides(text)
+    world = doc["measured"]["world_size"]
+    assert int(values["training.local_batch_size"]) == cfg.micro_batch_size
+    assert int(values["training.global_batch_size"]) == doc["global_batch_size"]
+    assert int(values["training.seq_len"]) == doc["seq_len"]
+    assert values["training.enable_cpu_offload"] is cfg.cpu_offload
+    assert values["compile.enable"] is cfg.compile
+    shard, replicate = int(values["parallelism.data_parallel_shard_degree"]), int(values["parallelism.data_parallel_replicate_degree"])
+    assert shard * replicate == world
+    if cfg.sharding_strategy == "NO_SHARD":
+        assert shard == 1
+    elif not cfg.is_hybrid:
+        assert shard == world
+    assert values["parallelism.fsdp_reshard_after_forward"] == ("always" if cfg.reshard_after_forward else "never")
+    assert values["training.mixed_precision_param"] == ("float32" if cfg.mixed_precision == "fp32" else "bfloat16")
+    expected = {"none": "none", "full": "full", "selective": "selective", "every_other_layer": "full"}
+    assert subcommand == f"activation-checkpoint:{expected[cfg.activation_checkpointing]}"
+    if cfg.activation_checkpointing == "every_other_layer":
+        assert any("every_other_layer" in n for n in notes) and "NOT EXPRESSIBLE HERE: activation_checkpointing" in text
+    assert values["training.mixed_precision_reduce"] == "float32"
+    if cfg.mixed_precision in ("bf16", "fp16"):
+        assert any("reduces in float32 only" in n for n in notes)
+    if cfg.fsdp_version == 1:
+        assert any("torchtitan always uses FSDP2" in n for n in notes)
 
 
 TRAIN_WITH_EXPORT = '''
@@ -286,13 +334,14 @@ def test_export_command_writes_each_format_and_says_what_it_dropped(tmp_path):
     study.set_user_attr("identity", {"model": "llama-tiny", "seq_len": 128, "budget_bytes": 10**9, "nproc": 2})
     study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={
         "config": doc_study["fsdp"], "tokens_per_s": 1.0, "peak_memory_bytes": 1, "world_size": 2, "device": "cpu"}))
-    for fmt, name in [("accelerate", "a.yaml"), ("hf", "h.json"), ("torchtitan", "t.toml"), ("python", "p.py"), ("json", "j.json")]:
+    for fmt, name in [("accelerate", "a.yaml"), ("hf", "h.json"), ("torchtitan", "t.args"), ("torchtitan-0.2", "t.toml"),
+                      ("python", "p.py"), ("json", "j.json")]:
         done = run_cli("export", "--storage", storage, "-f", fmt, "-o", name, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert (tmp_path / name).read_text()
         if fmt in ("accelerate", "hf"):
             assert "cannot express activation_checkpointing=every_other_layer" in done.stderr
-        if fmt == "torchtitan":
+        if fmt.startswith("torchtitan"):
             assert "cannot express forward_prefetch=true" in done.stderr
 
 
@@ -308,8 +357,10 @@ def test_every_format_carries_the_global_batch_in_its_own_key(tmp_path):
     assert request_from_export(doc).grad_accum_steps == 4  # `autotune measure` reproduces the accumulation
     args = TrainingArguments(output_dir=str(tmp_path), **json.loads(render(doc, "hf")[0]))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
-    training = tomllib.loads(render(doc, "torchtitan")[0])["training"]
+    training = tomllib.loads(render(doc, "torchtitan-0.2")[0])["training"]
     assert (training["local_batch_size"], training["global_batch_size"]) == (2, 16)
+    values, _ = torchtitan_overrides(render(doc, "torchtitan")[0])
+    assert (values["training.local_batch_size"], values["training.global_batch_size"]) == ("2", "16")
     text, notes = render(doc, "accelerate")
     assert any("Accelerator(gradient_accumulation_steps=4)" in n for n in notes) and "Gradient accumulation steps: 4" in text
     # Without a global batch, a step is one micro batch on every rank.

@@ -144,12 +144,12 @@ print("imported", len(list(root.rglob("*.py"))), "modules and", len(list(bench.g
 """
 
 
-def _lend_torch(python) -> None:
-    """torch and what it requires, linked into the empty virtualenv rather than unpacked again (a minute of the
-    suite): the README installs torch by hand, and this test is about what autotune declares."""
+def _lend(python, roots: tuple[str, ...]) -> None:
+    """``roots`` (torch) and what they require, linked into an empty virtualenv rather than unpacked again (a
+    minute of the suite each time): the README installs torch by hand, and these tests are about what is declared."""
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
-    todo, seen = ["torch"], set()
+    todo, seen = list(roots), set()
     while todo:
         name = _normalized(todo.pop())
         if name in seen:
@@ -173,7 +173,7 @@ def test_the_wheel_with_its_declared_extras_suffices_in_an_empty_virtualenv(inst
     # Without a pip of its own: this one installs into it (--python), and skips compiling bytecode nobody reruns.
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    _lend_torch(python)
+    _lend(python, ("torch",))
     # torch==2.13.0 is this machine's CPU build (a bare "torch" would pull a CUDA one);
     # every other requirement is resolved from what the wheel declares.
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile",

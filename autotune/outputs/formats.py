@@ -145,17 +145,18 @@ def to_hf(doc: dict[str, Any]) -> tuple[str, list[str]]:
     return json.dumps(data, indent=2) + "\n", notes
 
 
-def to_torchtitan(doc: dict[str, Any]) -> tuple[str, list[str]]:
+def _torchtitan_common(doc: dict[str, Any], notes: list[str]) -> tuple[FsdpConfig, int, int, str, str]:
+    """What both torchtitan formats say alike: the (replicate, shard) mesh and the precisions, with the notes on
+    what torchtitan has no way to say."""
     cfg = FsdpConfig.from_dict(doc["fsdp"])
     world = doc["measured"]["world_size"]
-    notes = []
     if cfg.fsdp_version == 1:
         notes.append("fsdp_version=1: torchtitan always uses FSDP2 (fully_shard); FSDP1-only choices "
                      f"(backward_prefetch={cfg.backward_prefetch}, limit_all_gathers={str(cfg.limit_all_gathers).lower()}) do not apply")
     if cfg.auto_wrap_policy != "transformer_layer":
         notes.append(f"auto_wrap_policy={cfg.auto_wrap_policy}: torchtitan shards each transformer block; not expressible")
     if cfg.forward_prefetch:
-        notes.append("forward_prefetch=true: torchtitan's job file has no forward prefetch option; dropped")
+        notes.append("forward_prefetch=true: torchtitan has no forward prefetch option; dropped")
     if cfg.mixed_precision == "fp16":
         notes.append("mixed_precision=fp16: torchtitan trains in bf16 or fp32 only; exported as bfloat16")
     if cfg.sharding_strategy == "NO_SHARD":
@@ -167,10 +168,57 @@ def to_torchtitan(doc: dict[str, Any]) -> tuple[str, list[str]]:
         shard, replicate = world, 1
     param = {"fp32": "float32", "fp16": "bfloat16"}.get(cfg.mixed_precision, "bfloat16")
     reduce = "bfloat16" if cfg.mixed_precision in ("bf16", "fp16") else "float32"
+    return cfg, shard, replicate, param, reduce
+
+
+def to_torchtitan(doc: dict[str, Any]) -> tuple[str, list[str]]:
+    """Overrides for torchtitan 0.3's ConfigManager (tyro): one per line, to follow ``--module M --config C`` on
+    its command line. Booleans are flags; activation checkpointing is a subcommand, so it comes last."""
+    notes: list[str] = []
+    cfg, shard, replicate, param, reduce = _torchtitan_common(doc, notes)
+    world = doc["measured"]["world_size"]
+    ac = {"none": "none", "full": "full", "selective": "selective", "every_other_layer": "full"}[cfg.activation_checkpointing]
+    if cfg.activation_checkpointing == "every_other_layer":
+        notes.append("activation_checkpointing=every_other_layer: torchtitan 0.3 checkpoints every block or none "
+                     "(its per-layer option is gone); exported as full, which needs no more memory and runs slower")
+    if reduce != "float32":
+        notes.append(f"mixed_precision={cfg.mixed_precision} reduces gradients in {reduce}: torchtitan 0.3 reduces in "
+                     "float32 only; exported as float32 (twice the gradient traffic the trial had)")
+        reduce = "float32"
+    lines = [
+        f"--parallelism.data_parallel_shard_degree {shard}",
+        f"--parallelism.data_parallel_replicate_degree {replicate}",
+        f"--parallelism.fsdp_reshard_after_forward {'always' if cfg.reshard_after_forward else 'never'}",
+        f"--training.mixed_precision_param {param}",
+        f"--training.mixed_precision_reduce {reduce}",
+        "--training.enable_cpu_offload" if cfg.cpu_offload else "--training.no_enable_cpu_offload",
+        f"--training.local_batch_size {cfg.micro_batch_size}",
+        # torchtitan accumulates gradients to reach the global batch.
+        f"--training.global_batch_size {doc.get('global_batch_size', cfg.micro_batch_size * world)}",
+        f"--training.seq_len {doc['seq_len']}",
+        # torchtitan compiles each transformer block, as the trial did.
+        *(["--compile.enable", "--compile.components model"] if cfg.compile else ["--compile.no_enable"]),
+        f"activation-checkpoint:{ac}",
+    ]
+    usage = [
+        "torchtitan 0.3 overrides (ConfigManager, parsed by tyro); the line to launch with:",
+        f"  torchrun --nproc-per-node {doc['measured'].get('world_size')} -m torchtitan.train --module MODULE "
+        "--config CONFIG $(grep -v '^#' THIS_FILE)",
+        "torchtitan 0.2.x read a TOML job file instead: autotune export -f torchtitan-0.2",
+    ]
+    return _comment_block("#", doc, notes, usage) + "\n".join(lines) + "\n", notes
+
+
+def to_torchtitan_toml(doc: dict[str, Any]) -> tuple[str, list[str]]:
+    """The job-file fragment torchtitan 0.2.x read (``--job.config_file``); 0.3 reads no job file."""
+    notes: list[str] = []
+    cfg, shard, replicate, param, reduce = _torchtitan_common(doc, notes)
+    world = doc["measured"]["world_size"]
     ac_mode = {"none": "none", "full": "full", "every_other_layer": "selective", "selective": "selective"}[
         cfg.activation_checkpointing]
     lines = [
-        _comment_block("#", doc, notes).rstrip("\n"),
+        _comment_block("#", doc, notes, ["torchtitan 0.2.x job file (--job.config_file); torchtitan 0.3 reads "
+                                         "overrides instead: autotune export -f torchtitan"]).rstrip("\n"),
         "[parallelism]",
         f"data_parallel_shard_degree = {shard}",
         f"data_parallel_replicate_degree = {replicate}",
@@ -240,6 +288,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], tuple[str, list[str]]]] = {
     "accelerate": to_accelerate,
     "hf": to_hf,
     "torchtitan": to_torchtitan,
+    "torchtitan-0.2": to_torchtitan_toml,
     "python": to_python,
 }
 
