@@ -20,8 +20,12 @@ _ACCELERATE_WRAP = {"transformer_layer": "TRANSFORMER_BASED_WRAP", "size_based":
 _MIXED = {"fp32": "no", "bf16": "bf16", "bf16_fp32_reduce": "bf16", "fp16": "fp16"}
 
 
-def _common_notes(cfg: FsdpConfig, target: str) -> list[str]:
+def _common_notes(cfg: FsdpConfig, target: str, device: str | None = None) -> list[str]:
     notes = []
+    if device == "cpu":
+        # Measured with accelerate 1.15 and transformers 5.25 (tests/test_consumers_train.py).
+        notes.append(f"device=cpu: {target} applies FSDP on GPUs and other accelerators only; on a CPU host it "
+                     "trains unsharded replicas with these settings unused; the python export's apply_fsdp shards on CPU")
     if cfg.is_hybrid and cfg.shard_group_size is not None:
         notes.append(f"shard_group_size={cfg.shard_group_size}: {target} shards hybrid strategies within a node; "
                      f"build the (replicate, shard) device mesh with shard groups of {cfg.shard_group_size} ranks "
@@ -43,7 +47,7 @@ def _common_notes(cfg: FsdpConfig, target: str) -> list[str]:
 
 def to_accelerate(doc: dict[str, Any]) -> tuple[str, list[str]]:
     cfg = FsdpConfig.from_dict(doc["fsdp"])
-    notes = _common_notes(cfg, "accelerate")
+    notes = _common_notes(cfg, "accelerate", doc["measured"].get("device"))
     fsdp: dict[str, Any] = {
         "fsdp_version": cfg.fsdp_version,
         "fsdp_auto_wrap_policy": _ACCELERATE_WRAP[cfg.auto_wrap_policy],
@@ -102,7 +106,7 @@ def to_accelerate(doc: dict[str, Any]) -> tuple[str, list[str]]:
 
 def to_hf(doc: dict[str, Any]) -> tuple[str, list[str]]:
     cfg = FsdpConfig.from_dict(doc["fsdp"])
-    notes = _common_notes(cfg, "transformers")
+    notes = _common_notes(cfg, "transformers", doc["measured"].get("device"))
     fsdp_config: dict[str, Any] = {
         "version": cfg.fsdp_version,
         "auto_wrap_policy": _ACCELERATE_WRAP[cfg.auto_wrap_policy],
@@ -122,6 +126,10 @@ def to_hf(doc: dict[str, Any]) -> tuple[str, list[str]]:
         fsdp_config["forward_prefetch"] = cfg.forward_prefetch
         fsdp_config["limit_all_gathers"] = cfg.limit_all_gathers
         fsdp_config["use_orig_params"] = True
+        if doc["measured"].get("device") == "cpu":
+            # The Trainer turns it on for FSDP1, and accelerate's plugin refuses it on CPU ("FSDP parameter
+            # initialization with sync_module_states=True is not supported on cpu"): the Trainer would not start.
+            fsdp_config["sync_module_states"] = False
     else:
         fsdp_config["reshard_after_forward"] = bool(cfg.reshard_after_forward)
         if cfg.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
