@@ -42,7 +42,9 @@ def test_selective_checkpointing_keeps_matmul_outputs_between_none_and_full(tmp_
     assert fsdp1.status == "ok", fsdp1.error
 
 
-def test_compiled_blocks_train_and_a_second_trial_reuses_the_compiled_kernels(tmp_path_factory, forks):
+def test_compiled_blocks_train_and_a_second_trial_reuses_the_compiled_kernels(tmp_path_factory, forks, monkeypatch):
+    # A cache of its own: inductor's default folder outlives test runs, and a warm one makes both trials fast.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
     cfg = FsdpConfig(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP", mixed_precision="bf16", compile=True,
                      transformer_layer_cls=LAYER, micro_batch_size=2)
     first, second = (_trial(tmp_path_factory, cfg, forks).result for _ in range(2))
