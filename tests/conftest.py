@@ -20,6 +20,22 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | N
     )
 
 
+def cli_in_process(args: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``autotune ARGS`` as ``cli.main`` runs it, in this process: (exit code, stdout, stderr). No interpreter to
+    start, and a traceback is an error of the test itself; ``run_cli`` is the user's view, a new process."""
+    from autotune import cli, interrupts
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(interrupts, "install", lambda: None)  # the test runner keeps its own signal handlers
+    capsys.readouterr()
+    try:
+        code = cli.main(args)
+    except SystemExit as exc:  # the parser's refusals
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def processes_mentioning(text: str) -> list[int]:
     """PIDs whose command line mentions ``text``: the orphan check, from the process table."""
     found = []

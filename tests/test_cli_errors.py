@@ -90,26 +90,11 @@ def _needs_the_probe(args: list[str]) -> bool:
         any(a.startswith("tests.") for a in args)
 
 
-def _in_process(args: list[str], cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
-    """``autotune ARGS`` as ``cli.main`` runs it, in this process: no interpreter to start, and a traceback
-    is an error of the test itself."""
-    from autotune import cli, interrupts
-
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(interrupts, "install", lambda: None)  # the test runner keeps its own signal handlers
-    capsys.readouterr()
-    try:
-        code = cli.main(args)
-    except SystemExit as exc:  # the parser's refusals
-        code = exc.code
-    return code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("args, words", [
     pytest.param(a, w, marks=[pytest.mark.torchrun] if _needs_the_probe(a) else [], id=" ".join(a)[:60]) for a, w in CASES
 ])
 def test_bad_input_is_one_line_and_exit_2(workspace, args, words, monkeypatch, capsys):
-    from tests.conftest import REPO, run_cli
+    from tests.conftest import REPO, cli_in_process, run_cli
 
     db = workspace / "studies" / "autotune.db"
     before = _digest(db)
@@ -123,7 +108,7 @@ def test_bad_input_is_one_line_and_exit_2(workspace, args, words, monkeypatch, c
     else:
         # Factories like tests.models:oom import in the probe's process too.
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        code, stderr = _in_process(args, workspace, monkeypatch, capsys)
+        code, _, stderr = cli_in_process(args, workspace, monkeypatch, capsys)
     lines = stderr.strip().splitlines()
     assert code == 2, stderr
     assert len(lines) == 1, stderr

@@ -6,7 +6,7 @@ import optuna
 import pytest
 
 from autotune.study.storage import mask_url
-from tests.conftest import run_cli
+from tests.conftest import cli_in_process, run_cli
 
 
 @pytest.mark.parametrize("url, shown", [
@@ -42,7 +42,7 @@ def test_a_missing_driver_is_one_line_naming_the_extra_without_the_password(tmp_
 
 
 @pytest.mark.torchrun
-def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_path):
+def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_path, monkeypatch, capsys, caplog):
     url, password = postgres.url, postgres.password
     seen = []
     run = run_cli("run", "--mem-budget", "20GB", "--storage", url, "--study-name", "secrets", "--space", "smoke",
@@ -52,12 +52,14 @@ def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_p
     assert "***@127.0.0.1" in run.stderr  # the run says where the study is, masked
     for args in (["trials"], ["trials", "-f", "json"], ["report", "-o", "report.html"],
                  *[["export", "-f", fmt, "-o", f"best.{fmt}"] for fmt in ("json", "accelerate", "hf", "torchtitan", "python")]):
-        done = run_cli(*args, "--storage", url, "--study-name", "secrets", cwd=tmp_path)
-        assert done.returncode == 0, (args, done.stderr)
-        seen += [done.stdout, done.stderr]
-    bad = run_cli("trials", "--storage", url, "--study-name", "nope", cwd=tmp_path)
-    assert bad.returncode == 2 and "***" in bad.stderr
-    seen += [bad.stdout, bad.stderr]
+        # In this process: the run above is the user's view; these only read the study.
+        code, out, err = cli_in_process([*args, "--storage", url, "--study-name", "secrets"], tmp_path, monkeypatch, capsys)
+        assert code == 0, (args, err)
+        seen += [out, err]
+    code, out, err = cli_in_process(["trials", "--storage", url, "--study-name", "nope"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "***" in err
+    seen += [out, err]
+    seen += [record.getMessage() for record in caplog.records]  # what a logger wrote in this process
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.name == "run.log" for p in files) and any(p.name == "best_config.json" for p in files)
     seen += [p.read_text(errors="replace") for p in files]
