@@ -16,8 +16,7 @@ from autotune.config import CUDA_TIMED_STEPS, CUDA_TIMING_BUDGET_S, LAUNCHERS, M
 from autotune.errors import UsageError
 from autotune.study import outages
 from autotune.outputs.formats import FORMATS
-from autotune.study.storage import DEFAULT_STORAGE
-
+from autotune.study.storage import DEFAULT_STORAGE, is_folder_char
 from autotune.study.settings import ExecutionSettings, MeasureSettings, SearchSettings, StudySettings
 
 # Every default is the settings section's own (autotune/study/settings.py).
@@ -58,7 +57,7 @@ def _study_name(text: str) -> str:
     """A name for a new study: it also names the study's folder of trials, so two names must not share one."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty name; give one, or leave --study-name out for the derived name")
-    odd = sorted({c for c in text if not (c.isalnum() or c in "-_.")})
+    odd = sorted({c for c in text if not is_folder_char(c)})
     if odd:
         raise argparse.ArgumentTypeError(f"{text!r} holds {''.join(odd)!r}; use letters, digits, '-', '_' and '.' "
                                          "(the name is also its folder's)")

@@ -142,10 +142,15 @@ def test_torchtitan_0_2_toml_parses_and_matches_the_schema(case):
         assert any("forward_prefetch" in n for n in notes)
 
 
+def torchtitan_words(text: str) -> list[str]:
+    """A torchtitan export as the command line gets it: ``$(grep -v '^#' FILE)``, split on whitespace."""
+    return " ".join(line for line in text.splitlines() if not line.startswith("#")).split()
+
+
 def torchtitan_overrides(text: str) -> tuple[dict[str, object], str]:
     """The overrides of a torchtitan export as tyro reads them: --key value, --flag / --no_flag, then the
     activation-checkpointing subcommand."""
-    words = " ".join(line for line in text.splitlines() if not line.startswith("#")).split()
+    words = torchtitan_words(text)
     values: dict[str, object] = {}
     *options, subcommand = words
     i = 0

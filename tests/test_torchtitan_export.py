@@ -19,7 +19,7 @@ import pytest
 from autotune.config import FsdpConfig
 from autotune.outputs.formats import render
 from tests.conftest import REPO, run_cli
-from tests.test_formats import CONFIGS, export_doc, torchtitan_overrides
+from tests.test_formats import CONFIGS, export_doc, torchtitan_overrides, torchtitan_words
 from tests.test_install import _lend
 
 pytestmark = pytest.mark.consumer
@@ -61,7 +61,7 @@ def torchtitan_python(tmp_path_factory):
 
 
 def _parse(python, exports: dict[str, str]) -> dict[str, dict]:
-    words = {name: " ".join(l for l in text.splitlines() if not l.startswith("#")).split() for name, text in exports.items()}
+    words = {name: torchtitan_words(text) for name, text in exports.items()}
     done = subprocess.run([str(python), "-c", PARSE], input=json.dumps(words), capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -100,7 +100,7 @@ def test_torchtitan_refuses_a_mistyped_key(torchtitan_python):
     text = render(export_doc(CONFIGS["fsdp2-sgo-every-other"]), "torchtitan")[0]
     bad = text.replace("--training.local_batch_size", "--training.local_batch_sise")
     done = subprocess.run([str(torchtitan_python), "-c", PARSE], capture_output=True, text=True, timeout=600, cwd=REPO,
-                          input=json.dumps({"bad": " ".join(l for l in bad.splitlines() if not l.startswith("#")).split()}))
+                          input=json.dumps({"bad": torchtitan_words(bad)}))
     assert done.returncode == 2 and "local_batch_sise" in done.stdout + done.stderr
 
 

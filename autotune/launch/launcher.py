@@ -191,24 +191,34 @@ class Agents(Protocol):
         """Take down every agent and its ranks (a no-op for those already ended)."""
 
 
-class OneAgent:
-    """One torchrun agent on this host: a one-node trial."""
+class LocalAgents:
+    """torchrun agents this driver started on this host and watches as their parent."""
 
-    def __init__(self, proc: subprocess.Popen | ForkedProcess) -> None:
-        self.proc = proc
+    def __init__(self, agents: list[subprocess.Popen | ForkedProcess]) -> None:
+        self.agents = agents
 
     def poll(self) -> list[int | None]:
-        return [self.proc.poll()]
+        return [a.poll() for a in self.agents]
+
+    def exit_code(self) -> int | None:
+        """The first agent's failure, else 0 (None while any runs)."""
+        codes = [a.returncode for a in self.agents]
+        return next((c for c in codes if c), 0 if all(c == 0 for c in codes) else None)
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                kill_process_tree(agent)
+
+
+class OneAgent(LocalAgents):
+    """One torchrun agent on this host: a one-node trial, which has no node to lose."""
+
+    def __init__(self, proc: subprocess.Popen | ForkedProcess) -> None:
+        super().__init__([proc])
 
     def lost(self) -> LostNode | None:
         return None
-
-    def exit_code(self) -> int | None:
-        return self.proc.returncode
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            kill_process_tree(self.proc)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,8 @@ from autotune.config import TrialRequest
 from autotune.errors import UsageError
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.process_life import die_with_parent
-from autotune.launch.launcher import (LaunchOutcome, LostNode, kill_process_tree, run_agents, start_torchrun,
-                                      trial_env)
+from autotune.launch.launcher import (LaunchOutcome, LocalAgents, LostNode, kill_process_tree, run_agents,
+                                      start_torchrun, trial_env)
 from autotune.worker.node_agent import record_path
 
 
@@ -69,16 +69,10 @@ def node_devices(devices: tuple[int, ...] | None, nnodes: int, node: int) -> tup
     return tuple(devices[node * share:(node + 1) * share])
 
 
-class LocalNodes:
+class LocalNodes(LocalAgents):
     """One torchrun agent per simulated node, all on this host. The driver is
     every agent's parent, so an agent's exit code is the truth: one killed by
     a signal (the driver sends none while it watches) is a lost node."""
-
-    def __init__(self, agents: list) -> None:
-        self.agents = agents
-
-    def poll(self) -> list[int | None]:
-        return [a.poll() for a in self.agents]
 
     def lost(self) -> LostNode | None:
         for node, agent in enumerate(self.agents):
@@ -86,14 +80,6 @@ class LocalNodes:
             if code is not None and code < 0:
                 return LostNode(node, f"its torchrun agent was killed by {signal.Signals(-code).name}")
         return None
-
-    def exit_code(self) -> int | None:
-        return _first_failure([a.returncode for a in self.agents])
-
-    def stop(self) -> None:
-        for agent in self.agents:
-            if agent.poll() is None:
-                kill_process_tree(agent)
 
 
 def launch_local(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: float, device_type: str,
@@ -119,11 +105,6 @@ def launch_local(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
         return nodes
 
     return run_agents(request, trial_dir, timeout_s, start)
-
-
-def _first_failure(codes: list[int | None]) -> int | None:
-    """The job's exit code: the first agent's failure, else 0 (None while any runs)."""
-    return next((c for c in codes if c), 0 if all(c == 0 for c in codes) else None)
 
 
 def slurm_allocation(environ: dict[str, str] | None = None) -> tuple[str, int] | None:

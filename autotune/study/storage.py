@@ -278,9 +278,13 @@ def resolve_study_name(url: str, name: str | None) -> str:
     return names[0]
 
 
+def is_folder_char(c: str) -> bool:
+    """A character a study name keeps in its folder's name; any other becomes '_'."""
+    return c.isalnum() or c in "-_."
+
+
 def study_dir(url: str, study_name: str) -> Path:
     """Trial folders and exports go beside the SQLite file, else under ./studies."""
     path = sqlite_path(url)
     base = path.parent if path is not None else Path("studies")
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in study_name)
-    return base / safe
+    return base / "".join(c if is_folder_char(c) else "_" for c in study_name)

@@ -52,10 +52,10 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, stopped)
     code = agent.wait()
-    if path.exists():  # told to stop: that record stands
-        return code if code >= 0 else 128 - code
-    write_json_atomic(path, {"node": node, "exit_code": code, "signal": signal.Signals(-code).name if code < 0 else None,
-                             "stopped": False, "time": time.time()})
+    if not path.exists():  # else told to stop: that record stands
+        write_json_atomic(path, {"node": node, "exit_code": code, "stopped": False, "time": time.time(),
+                                 "signal": signal.Signals(-code).name if code < 0 else None})
+    # Mirror the agent's ending so Slurm sees the same failure.
     return code if code >= 0 else 128 - code
 
 

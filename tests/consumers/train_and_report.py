@@ -26,8 +26,7 @@ def applied(model: torch.nn.Module) -> dict:
     for module in model.modules():
         if isinstance(module, FullyShardedDataParallel):
             version, strategy = 1, module.sharding_strategy.name
-            units.add(type(module.module).__name__.removeprefix("CheckpointWrapper"))
-            inner = module.module
+            inner = module.module  # the wrapped block, under its checkpoint wrapper when it has one
             units.add(type(getattr(inner, "_checkpoint_wrapped_module", inner)).__name__)
         elif isinstance(module, FSDPModule):
             version = 2
