@@ -151,8 +151,24 @@ def _add_run(commands: Any) -> None:
                           "keeps it with gradient accumulation (steps = SAMPLES / (micro batch x ranks)), and only "
                           "micro batches that divide it are tried (default: none; a step is one micro batch, so the "
                           "micro batch is tuned as a batch size too)")
+    _add_workload_flags(run)
     _add_search_flags(run)
     run.add_argument("--quiet", action="store_true", help="print only the final summary")
+
+
+def _add_workload_flags(parser: Any) -> None:
+    """What is trained: every parameter (the default), or LoRA adapters on frozen weights."""
+    parser.add_argument("--lora", type=_positive_int, default=None, metavar="RANK",
+                        help="tune LoRA fine-tuning instead of full training: adapters of this rank (8 and 16 are usual) "
+                             "on frozen base weights, through peft (pip install 'autotune[lora]'); a LoRA study is "
+                             "separate from a full one (default: full training)")
+    parser.add_argument("--lora-targets", default=None, metavar="NAMES",
+                        help="comma-separated module names the adapters go on, like q_proj,k_proj,v_proj,o_proj "
+                             "(default: peft's choice for the model type, q_proj,v_proj for Llama)")
+    parser.add_argument("--lora-alpha", type=_positive_int, default=None, metavar="ALPHA",
+                        help="peft's lora_alpha, carried to the exports; it does not change speed or memory (default: 16)")
+    parser.add_argument("--lora-dropout", type=_fraction, default=None, metavar="P",
+                        help="dropout on the adapters' input, carried to the exports (default: 0)")
 
 
 def _add_search_flags(run: Any) -> None:
@@ -202,6 +218,7 @@ def _add_estimate(commands: Any) -> None:
     estimate.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                           help="the margin to add: cuda (context, NCCL, fragmentation) or cpu (none) (default: cuda)")
     estimate.add_argument("--wrap-class", action="append", default=[], metavar="CLASS", help="the model's repeated block class")
+    _add_workload_flags(estimate)
     estimate.add_argument("--seed", type=int, default=0, help="seed of the --limit sample (default: 0)")
     estimate.add_argument("--exact", action="store_true",
                           help="run the fake step over every block; by default a model of 8 or more blocks is "
@@ -221,8 +238,8 @@ def _add_export(commands: Any) -> None:
         "export", help="write the best feasible configuration",
         description="Export the best feasible trial (or --trial N): json (autotune.fsdp-config/v1), accelerate "
                     "(config YAML for accelerate launch), hf (TrainingArguments fsdp/fsdp_config as JSON), "
-                    "torchtitan (TOML job-file fragment, v0.2.2 schema) or python (a module applying it with torch "
-                    "only). What a format cannot express is said in the file and on stderr.")
+                    "torchtitan (overrides for torchtitan 0.3's command line), torchtitan-0.2 (the TOML job file 0.2.x "
+                    "read), python (a module applying it with torch only) or peft (a LoRA study's LoraConfig as JSON). What a format cannot express is said in the file and on stderr.")
     _add_study_args(export)
     export.add_argument("-f", "--format", choices=FORMATS, default="json",
                         help="output format (default: json)")

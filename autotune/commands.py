@@ -42,6 +42,36 @@ def _check_nproc(nproc: int, host: Any, what_asked: str | None = None) -> None:
         raise UsageError(f"--nproc {nproc}: this host has {what}; use --nproc {host.device_count} or fewer")
 
 
+def lora_spec(args: argparse.Namespace) -> Any:
+    """The LoRA workload the flags ask for (a LoraSpec), or None for full training."""
+    import importlib.util
+
+    from autotune.config import ConfigError, LoraSpec
+
+    if args.lora is None:
+        given = [flag for flag, value in (("--lora-targets", args.lora_targets), ("--lora-alpha", args.lora_alpha),
+                                          ("--lora-dropout", args.lora_dropout)) if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} applies to LoRA only; add --lora RANK, or leave {given[0]} out")
+        return None
+    if importlib.util.find_spec("peft") is None:
+        raise UsageError(f"--lora {args.lora} needs peft, which is not installed; pip install 'autotune[lora]'")
+    fields: dict[str, Any] = {"rank": args.lora}
+    if args.lora_alpha is not None:
+        fields["lora_alpha"] = args.lora_alpha
+    if args.lora_dropout is not None:
+        fields["lora_dropout"] = args.lora_dropout
+    if args.lora_targets is not None:
+        fields["target_modules"] = args.lora_targets
+        if not [n for n in args.lora_targets.split(",") if n.strip()]:
+            raise UsageError(f"--lora-targets {args.lora_targets!r} names no module; give names like q_proj,v_proj, "
+                             "or leave it out for peft's choice")
+    try:
+        return LoraSpec(**fields)
+    except ConfigError as exc:
+        raise UsageError(f"--lora-targets {args.lora_targets}: {exc}") from None
+
+
 def choose_launcher(asked: str, nnodes: int) -> str:
     """``auto``: Slurm inside an allocation when trials span nodes, else simulated nodes on this host."""
     from autotune.launch.multinode import slurm_allocation
@@ -66,6 +96,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     budget = parse_memory(args.mem_budget)
     spec = parse_model_spec(args.model)
     space = load_space(args.space)
+    lora = lora_spec(args)
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
     host, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class), nproc=args.nproc, forks=forks)
     nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
@@ -89,8 +120,9 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
             model=_model_argument(spec, args.model), model_label=spec.label, nproc=nproc, seq_len=seq_len,
             budget_bytes=budget, budget_text=budget_text, space=space,
             name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size,
-                                                       args.nnodes),
-            storage_url=args.storage, nnodes=args.nnodes, global_batch_size=args.global_batch_size, hub_id=spec.hub_id),
+                                                       args.nnodes, lora),
+            storage_url=args.storage, nnodes=args.nnodes, global_batch_size=args.global_batch_size, hub_id=spec.hub_id,
+            lora=lora),
         search=SearchSettings(trials=args.trials, sampler=args.sampler, seed=args.seed,
                               use_estimate=not args.no_estimate, confirm=args.confirm),
         measure=MeasureSettings(warmup_steps=args.warmup_steps, timed_steps=args.timed_steps or timed_steps,
@@ -117,6 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # The checks that need nothing imported come before anything starts.
     parse_memory(args.mem_budget)
     spec = parse_model_spec(args.model)
+    lora_spec(args)
     load_space(args.space)
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
     # Then the fork server, so that its imports overlap everything else: the
@@ -144,7 +177,8 @@ def _run(args: argparse.Namespace, forks: Any) -> int:
     if not args.quiet:
         print(f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "
               f"on {settings.study.nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {settings.study.seq_len}, "
-              f"budget {settings.study.budget_text} per rank; study {settings.study.name} in {mask_url(settings.study.storage_url)}",
+              f"budget {settings.study.budget_text} per rank{_workload_text(settings.study.lora)}; study {settings.study.name} "
+              f"in {mask_url(settings.study.storage_url)}",
               file=sys.stderr)
     run = run_study(settings, host, model, forks=forks, on_trial_complete=update_study_note)
     if run.interrupted is not None:
@@ -152,6 +186,12 @@ def _run(args: argparse.Namespace, forks: Any) -> int:
               "rerun the same command to resume. The study so far:")
     code = summarize(run, settings)
     return run.interrupted.exit_code if run.interrupted is not None else code
+
+
+def _workload_text(lora: Any) -> str:
+    if lora is None:
+        return ""
+    return f", LoRA rank {lora.rank} on {','.join(lora.target_modules) or 'peft default modules'} (base weights frozen)"
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -168,6 +208,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     budget = parse_memory(args.mem_budget)
     spec = parse_model_spec(args.model)
+    lora = lora_spec(args)
     space = load_space(args.space)
     if args.nproc % args.nnodes:
         raise UsageError(f"--nproc {args.nproc} is not a multiple of --nnodes {args.nnodes}; give ranks that the nodes share evenly")
@@ -184,7 +225,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         configs = random.Random(args.seed).sample(configs, limit)
     margin = default_margin(args.device)
     client = EstimatorClient(_model_argument(spec, args.model), args.nproc, args.nnodes, seq_len,
-                             exact=args.exact)
+                             exact=args.exact, lora=lora)
     progress = None if args.format == "json" else (
         lambda i, cfg: print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True))
     try:

@@ -310,6 +310,51 @@ class FsdpConfig:
         return " ".join(parts)
 
 
+@dataclass(frozen=True)
+class LoraSpec:
+    """The workload is LoRA fine-tuning (peft): adapters of rank ``rank`` on the
+    modules named, over frozen base weights. Frozen weights have no gradients
+    and no optimizer state, so memory goes to activations and the best
+    configuration moves; a trial, its estimate and the exports all carry it.
+    Field names are peft's ``LoraConfig`` names but ``rank`` (``r``)."""
+
+    rank: int
+    # peft scales the adapters' output by lora_alpha / r; throughput does not depend on it.
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    # Module names to adapt; empty: peft's default for the model type (q_proj and
+    # v_proj for Llama), which the worker resolves and the result reports.
+    target_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, (list, str)):
+            names = self.target_modules.split(",") if isinstance(self.target_modules, str) else self.target_modules
+            object.__setattr__(self, "target_modules", tuple(n.strip() for n in names if n.strip()))
+        _check_type("rank", self.rank, int)
+        if self.rank < 1:
+            raise ConfigError(f"LoRA rank={self.rank} must be at least 1 (8 or 16 are usual)")
+        _check_type("lora_alpha", self.lora_alpha, int)
+        if self.lora_alpha < 1:
+            raise ConfigError(f"lora_alpha={self.lora_alpha} must be at least 1")
+        _check_type("lora_dropout", self.lora_dropout, float)
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout={self.lora_dropout} must be at least 0 and below 1")
+        for name in self.target_modules:
+            if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+                raise ConfigError(f"LoRA target module {name!r} is not a module name (q_proj, v_proj, ...)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+                "target_modules": list(self.target_modules)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoraSpec:
+        return _from_mapping(cls, data, "lora")
+
+    def label(self) -> str:
+        return f"lora{self.rank}"
+
+
 # Untimed steps before timing: the first allocates optimizer state, the last
 # (never the first) measures peak memory.
 MIN_WARMUP_STEPS = 2
@@ -375,8 +420,14 @@ class TrialRequest:
     # memory on the trial's own cores only while no trial holds it (see
     # autotune.launch.locks.quiet_lock_path). None: nothing to keep quiet.
     quiet_lock: str | None = None
+    # LoRA fine-tuning on frozen base weights; None: every parameter trains.
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, Mapping):
+            object.__setattr__(self, "lora", LoraSpec.from_dict(self.lora))
+        if self.lora is not None and not isinstance(self.lora, LoraSpec):
+            raise ConfigError("lora must be a LoraSpec or its dict")
         if isinstance(self.fsdp, Mapping):
             object.__setattr__(self, "fsdp", FsdpConfig.from_dict(self.fsdp))
         if not isinstance(self.fsdp, FsdpConfig):
@@ -416,6 +467,7 @@ class TrialRequest:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["fsdp"] = self.fsdp.to_dict()
+        data["lora"] = self.lora.to_dict() if self.lora is not None else None
         return data
 
     def tokens_per_step(self, world_size: int) -> int:
@@ -484,6 +536,10 @@ class TrialResult:
     torch_version: str | None = None
     transformers_version: str | None = None
     num_params: int | None = None
+    # Parameters the optimizer steps: all of them, or LoRA's adapters only.
+    trainable_params: int | None = None
+    # LoRA: the modules the adapters went on (peft's default resolved).
+    lora_target_modules: list[str] | None = None
     # Steps fp16's loss scaling skipped (not timed, not measured).
     skipped_steps: int = 0
     # CUDA: the cap on each rank's caching allocator (the budget less what lies
@@ -533,7 +589,7 @@ def request_from_export(doc: Mapping[str, Any], **overrides: Any) -> TrialReques
     budget = (doc.get("budget") or {}).get("memory_bytes")
     fields = {"fsdp": doc["fsdp"], "model": doc["model"], "seq_len": doc["seq_len"],
               "grad_accum_steps": doc.get("gradient_accumulation_steps", 1), "nnodes": doc.get("nnodes", 1),
-              "memory_budget_bytes": int(budget) if budget else None, **overrides}
+              "memory_budget_bytes": int(budget) if budget else None, "lora": doc.get("lora"), **overrides}
     return TrialRequest(**fields)
 
 

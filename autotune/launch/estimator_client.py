@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from autotune import interrupts
-from autotune.config import FsdpConfig
+from autotune.config import FsdpConfig, LoraSpec
 from autotune.launch.forkserver import ForkServer, run_forked
 from autotune.launch.process_life import die_with_parent
 
@@ -35,12 +35,14 @@ class EstimatorClient:
     """A long-lived ``python -m autotune.worker.fake_step --serve``; thread-safe."""
 
     def __init__(self, model: str, world_size: int, nnodes: int, seq_len: int, timeout_s: float = 600,
-                 global_batch_size: int | None = None, exact: bool = False, forks: ForkServer | None = None) -> None:
+                 global_batch_size: int | None = None, exact: bool = False, forks: ForkServer | None = None,
+                 lora: LoraSpec | None = None) -> None:
         # With a global batch, each configuration is estimated with the
         # gradient accumulation its micro batch needs. ``exact`` runs every
         # block of a deep model instead of extrapolating from two shallow copies.
         self.request = {"model": model, "world_size": world_size, "nnodes": nnodes, "seq_len": seq_len,
-                        "global_batch_size": global_batch_size, "exact": exact}
+                        "global_batch_size": global_batch_size, "exact": exact,
+                        "lora": lora.to_dict() if lora is not None else None}
         # A model whose forward hangs must not hang the tuner: past this, the
         # estimate is abandoned and the configuration is launched unestimated.
         self.timeout_s = timeout_s

@@ -49,6 +49,8 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
         "seq_len": identity.get("seq_len"),
         "nnodes": identity.get("nnodes", 1),
         "model": identity.get("model"),
+        # LoRA fine-tuning (peft LoraConfig's fields, the modules resolved), or null for full training.
+        "lora": _lora(identity.get("lora"), attrs.get(Attr.LORA_TARGET_MODULES)),
         "measured": {
             "tokens_per_s": attrs.get(Attr.TOKENS_PER_S),
             "peak_memory_bytes": attrs.get(Attr.PEAK_MEMORY_BYTES),
@@ -71,6 +73,12 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
             "platform": platform.platform(),
         },
     }
+
+
+def _lora(asked: dict[str, Any] | None, resolved: list[str] | None) -> dict[str, Any] | None:
+    if not asked:
+        return None
+    return {**asked, "target_modules": list(resolved or asked["target_modules"])}
 
 
 def _confirmation(study: Any, cfg: FsdpConfig, single: float | None) -> dict[str, Any]:

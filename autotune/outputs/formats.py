@@ -15,6 +15,7 @@ from typing import Any, Callable
 import yaml
 
 from autotune.config import FsdpConfig
+from autotune.errors import UsageError
 
 _ACCELERATE_WRAP = {"transformer_layer": "TRANSFORMER_BASED_WRAP", "size_based": "SIZE_BASED_WRAP", "none": "NO_WRAP"}
 _MIXED = {"fp32": "no", "bf16": "bf16", "bf16_fp32_reduce": "bf16", "fp16": "fp16"}
@@ -45,9 +46,24 @@ def _common_notes(cfg: FsdpConfig, target: str, device: str | None = None) -> li
     return notes
 
 
+def _lora_notes(doc: dict[str, Any], target: str, how: str) -> list[str]:
+    """A consumer that has no LoRA keys: where the measured LoRA settings go instead."""
+    lora = doc.get("lora")
+    if not lora:
+        return []
+    return [f"LoRA (rank {lora['rank']}, alpha {lora['lora_alpha']}, dropout {lora['lora_dropout']:g}, on "
+            f"{','.join(lora['target_modules'])}): {target} has no LoRA keys; {how} "
+            "(autotune export -f peft writes that LoraConfig)"]
+
+
+_PEFT_WITH_FSDP = ("wrap the model with peft.get_peft_model(model, LoraConfig(...)) before it is prepared; for FSDP1, "
+                   "accelerate and the Trainer then wrap the adapters as units of their own, which the trial did not")
+
+
 def to_accelerate(doc: dict[str, Any]) -> tuple[str, list[str]]:
     cfg = FsdpConfig.from_dict(doc["fsdp"])
     notes = _common_notes(cfg, "accelerate", doc["measured"].get("device"))
+    notes += _lora_notes(doc, "accelerate's config file", _PEFT_WITH_FSDP)
     fsdp: dict[str, Any] = {
         "fsdp_version": cfg.fsdp_version,
         "fsdp_auto_wrap_policy": _ACCELERATE_WRAP[cfg.auto_wrap_policy],
@@ -107,6 +123,7 @@ def to_accelerate(doc: dict[str, Any]) -> tuple[str, list[str]]:
 def to_hf(doc: dict[str, Any]) -> tuple[str, list[str]]:
     cfg = FsdpConfig.from_dict(doc["fsdp"])
     notes = _common_notes(cfg, "transformers", doc["measured"].get("device"))
+    notes += _lora_notes(doc, "TrainingArguments", "give the Trainer the peft model: " + _PEFT_WITH_FSDP)
     fsdp_config: dict[str, Any] = {
         "version": cfg.fsdp_version,
         "auto_wrap_policy": _ACCELERATE_WRAP[cfg.auto_wrap_policy],
@@ -158,6 +175,8 @@ def _torchtitan_common(doc: dict[str, Any], notes: list[str]) -> tuple[FsdpConfi
     what torchtitan has no way to say."""
     cfg = FsdpConfig.from_dict(doc["fsdp"])
     world = doc["measured"]["world_size"]
+    notes += _lora_notes(doc, "torchtitan", "it trains every parameter, so this configuration was measured for "
+                         "another workload than torchtitan runs")
     if cfg.fsdp_version == 1:
         notes.append("fsdp_version=1: torchtitan always uses FSDP2 (fully_shard); FSDP1-only choices "
                      f"(backward_prefetch={cfg.backward_prefetch}, limit_all_gathers={str(cfg.limit_all_gathers).lower()}) do not apply")
@@ -254,11 +273,23 @@ def to_torchtitan_toml(doc: dict[str, Any]) -> tuple[str, list[str]]:
     return "\n".join(lines) + "\n", notes
 
 
+def to_peft(doc: dict[str, Any]) -> tuple[str, list[str]]:
+    """peft's ``LoraConfig`` keyword arguments, as JSON: ``LoraConfig(**json.load(f))``."""
+    lora = doc.get("lora")
+    if not lora:
+        raise UsageError(f"-f peft: study {doc['study']['name']!r} trained every parameter, so it has no LoRA "
+                         "settings to export; tune with --lora RANK, or choose another format")
+    data = {"r": lora["rank"], "lora_alpha": lora["lora_alpha"], "lora_dropout": lora["lora_dropout"],
+            "target_modules": list(lora["target_modules"]), "bias": "none", "task_type": "CAUSAL_LM"}
+    return json.dumps(data, indent=2, sort_keys=True) + "\n", []
+
+
 def to_python(doc: dict[str, Any]) -> tuple[str, list[str]]:
     """A module that needs torch only: the worker's own ``fsdp.py``, verbatim,
     then the measured configuration and ``apply_fsdp(model)`` calling it."""
     cfg = FsdpConfig.from_dict(doc["fsdp"])
-    notes = []
+    notes = _lora_notes(doc, "apply_fsdp", "wrap the model with peft.get_peft_model(model, LoraConfig(...)) before "
+                        "apply_fsdp, as the trial did")
     if cfg.is_hybrid and cfg.shard_group_size is None:
         notes.append(f"sharding_strategy={cfg.sharding_strategy} with one node's ranks per shard group: pass the number "
                      "of nodes as apply_fsdp(..., nnodes=N)")
@@ -298,6 +329,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], tuple[str, list[str]]]] = {
     "torchtitan": to_torchtitan,
     "torchtitan-0.2": to_torchtitan_toml,
     "python": to_python,
+    "peft": to_peft,
 }
 
 

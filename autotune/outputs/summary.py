@@ -62,6 +62,7 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
         print_verdict(verdict, settings)
     else:
         print_unconfirmed(best, trials, settings)
+    print_other_workload(study, settings)
     path = best_config_path(settings.study.storage_url, study.study_name)
     write_export(build_export(study, best, settings.study.storage_url), str(path))
     print(f"  wrote {path}")
@@ -126,6 +127,52 @@ def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
               f"({baseline.user_attrs.get(Attr.LABEL)}: {baseline.value:,.0f} tokens/s; one trial each, "
               f"micro batch {baseline.user_attrs[Attr.CONFIG]['micro_batch_size']} against "
               f"{best.user_attrs[Attr.CONFIG]['micro_batch_size']})")
+
+
+def best_figures(study) -> tuple[dict, str, float, int] | None:
+    """(configuration, label, tokens/s, peak) of a study's answer: the confirmed mean where a round ran."""
+    verdict = read_verdict(study)
+    if verdict is not None:
+        w = verdict.winner
+        return w.config, w.label, w.mean, w.peak_memory_bytes or 0
+    best = winner(study)
+    if best is None:
+        return None
+    return best.user_attrs[Attr.CONFIG], best.user_attrs.get(Attr.LABEL), best.value, best.user_attrs[Attr.PEAK_MEMORY_BYTES]
+
+
+def print_other_workload(study, settings: RunSettings) -> None:
+    """How the answer differs from the other workload's (LoRA against full training) on the same model, ranks,
+    seq len and budget, when a study of it is in the same storage."""
+    import optuna
+
+    from autotune.study.settings import study_identity
+    from autotune.study.storage import open_storage
+
+    mine = study_identity(settings)
+    storage = open_storage(settings.study.storage_url)
+    same = ("model", "nproc", "seq_len", "budget_bytes", "global_batch_size", "nnodes")
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        other = summary.user_attrs.get(StudyAttr.IDENTITY, {})
+        if summary.study_name == study.study_name or (other.get("lora") is None) == (mine["lora"] is None):
+            continue
+        if any(other.get(key) != mine[key] for key in same):
+            continue
+        theirs = best_figures(optuna.load_study(study_name=summary.study_name, storage=storage))
+        ours = best_figures(study)
+        if theirs is None or ours is None:
+            continue
+        names = {True: "LoRA", False: "full fine-tune"}
+        rows = [[names[mine["lora"] is not None], f"{ours[2]:,.0f}", format_bytes(ours[3]), ours[1]],
+                [names[other.get("lora") is not None], f"{theirs[2]:,.0f}", format_bytes(theirs[3]), theirs[1]]]
+        changed = [f"{key} {theirs[0].get(key)} -> {value}" for key, value in ours[0].items()
+                   if theirs[0].get(key) != value and key != "reshard_after_forward"]
+        print(f"\nAgainst the {names[other.get('lora') is not None]}'s answer on the same model, ranks, seq len and "
+              f"budget (study {summary.study_name}):")
+        print(format_table(["workload", "tokens/s", "peak", "configuration"], rows, right=(1, 2)))
+        print(f"  {ours[2] / theirs[2]:.2f}x its tokens/s at {ours[3] / max(theirs[3], 1):.2f}x its peak; what moved: "
+              + (", ".join(changed) if changed else "nothing, the same configuration wins"))
+        return
 
 
 def _ci_text(ci: tuple[float | None, float | None]) -> str:

@@ -204,6 +204,7 @@ class Objective:
                                seed=self.settings.search.seed, nnodes=question.nnodes,
                                grad_accum_steps=self.settings.grad_accum_steps(cfg.micro_batch_size),
                                memory_budget_bytes=question.budget_bytes, quiet_lock=self.gate.cores.quiet,
+                               lora=question.lora,
                                abort_below_tokens_per_s=best / ABORT_FACTOR if best and abort else None)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)

@@ -73,6 +73,8 @@ class Attr:
     TORCH_VERSION = "torch_version"
     TRANSFORMERS_VERSION = "transformers_version"
     NUM_PARAMS = "num_params"
+    TRAINABLE_PARAMS = "trainable_params"  # all of them, or LoRA's adapters only
+    LORA_TARGET_MODULES = "lora_target_modules"  # the modules LoRA's adapters went on
     TOKENS_PER_STEP = "tokens_per_step"
     PEAK_MEMORY_BYTES = "peak_memory_bytes"  # the largest rank's peak: what it held of the device
     PEAK_MEMORY_GIB = "peak_memory_gib"
@@ -142,7 +144,7 @@ MEASURED = (Attr.NNODES, Attr.NPROC_PER_NODE, Attr.MESH_SHAPE, Attr.TOKENS_PER_S
             Attr.TOKENS_PER_S_CI_LOW, Attr.TOKENS_PER_S_CI_HIGH,
             Attr.TIMED_STEPS, Attr.SKIPPED_STEPS, Attr.LOSS_FIRST, Attr.LOSS_LAST, Attr.MEMORY_METHOD, Attr.WORLD_SIZE,
             Attr.DEVICE, Attr.DEVICE_NAME, Attr.TORCH_VERSION, Attr.TRANSFORMERS_VERSION, Attr.NUM_PARAMS,
-            Attr.TOKENS_PER_STEP, Attr.ALLOCATOR_CONF)
+            Attr.TRAINABLE_PARAMS, Attr.LORA_TARGET_MODULES, Attr.TOKENS_PER_STEP, Attr.ALLOCATOR_CONF)
 
 
 def is_feasible(trial: Any) -> bool:

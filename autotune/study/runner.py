@@ -161,7 +161,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
 
         estimator = EstimatorClient(settings.study.model, settings.world_size, settings.study.nnodes, settings.study.seq_len,
                                     timeout_s=settings.execution.trial_timeout_s, global_batch_size=settings.study.global_batch_size,
-                                    forks=forks)
+                                    forks=forks, lora=settings.study.lora)
     gate = MemoryGate(study, settings.study.space, model.layer_classes, settings.study.budget_bytes, host.device_type,
                       estimator if settings.search.use_estimate else None, reporter.say, estimate_cores(settings, host))
     candidates = runnable_classes(settings, host, model)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autotune.config import DEFAULT_TIMED_STEPS, MIN_WARMUP_STEPS, SEARCHES, accumulation_steps
+from autotune.config import DEFAULT_TIMED_STEPS, MIN_WARMUP_STEPS, SEARCHES, LoraSpec, accumulation_steps
 from autotune.errors import UsageError
 from autotune.study.storage import open_storage, sqlite_path
 
@@ -46,6 +46,8 @@ class StudySettings:
     # --model as a Hugging Face id: the study's model is the id (hosts cache it in different places); ``model``
     # is its config.json here.
     hub_id: str | None = None
+    # The workload: LoRA adapters on frozen weights, or (None) full training.
+    lora: LoraSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -113,15 +115,15 @@ class RunSettings:
 
 
 def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: str,
-                       global_batch_size: int | None = None, nnodes: int = 1) -> str:
+                       global_batch_size: int | None = None, nnodes: int = 1, lora: LoraSpec | None = None) -> str:
     return (f"{model_label}-w{nproc}" + (f"x{nnodes}" if nnodes > 1 else "") + f"-s{seq_len}-{budget_text}"
-            + (f"-gb{global_batch_size}" if global_batch_size else ""))
+            + (f"-gb{global_batch_size}" if global_batch_size else "") + (f"-{lora.label()}" if lora else ""))
 
 
-STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest", "global_batch_size", "nnodes")
+STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest", "global_batch_size", "nnodes", "lora")
 # Identity keys added after studies were first stored: a study stored without
 # one was made with this value.
-LATER_IDENTITY = {"global_batch_size": None, "nnodes": 1}
+LATER_IDENTITY = {"global_batch_size": None, "nnodes": 1, "lora": None}
 
 
 def study_identity(settings: RunSettings) -> dict[str, Any]:
@@ -133,6 +135,8 @@ def study_identity(settings: RunSettings) -> dict[str, Any]:
         "space_digest": settings.study.space.digest,
         "global_batch_size": settings.study.global_batch_size,
         "nnodes": settings.study.nnodes,
+        # A LoRA study never resumes a full one, nor one of another rank or targets.
+        "lora": settings.study.lora.to_dict() if settings.study.lora is not None else None,
     }
 
 
@@ -161,9 +165,18 @@ def check_resumable(settings: RunSettings) -> None:
             stored = {**stored, key: LATER_IDENTITY[key]}
         if key in stored and stored[key] != identity[key]:
             raise UsageError(
-                f"study {settings.study.name!r} was created with {key}={stored[key]!r}, not {identity[key]!r}; "
-                "rerun with the original settings or choose another --study-name"
+                f"study {settings.study.name!r} was created with {_shown(key, stored[key])}, not "
+                f"{_shown(key, identity[key])}; rerun with the original settings or choose another --study-name"
             )
+
+
+def _shown(key: str, value: Any) -> str:
+    """An identity value as a user reads it: the workload in words, the rest as stored."""
+    if key != "lora":
+        return f"{key}={value!r}"
+    if value is None:
+        return "full training"
+    return f"LoRA rank {value['rank']} on {','.join(value['target_modules']) or 'peft default modules'}"
 
 
 def make_sampler(search: str, seed: int) -> optuna.samplers.BaseSampler:

@@ -177,4 +177,13 @@ def load_space(value: str) -> SearchSpace:
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise UsageError(f"{path}: YAML syntax error{at}: {problem}") from None
-    return parse_space(data, str(path))
+    key = (str(path), text)
+    if key not in _CHECKED:
+        # Checking builds every configuration of the space (2.5 s for the default's 161,280 on 2 cores): once
+        # per process, not once per caller (the CLI's early check and the run's settings both load it).
+        _CHECKED[key] = parse_space(data, str(path))
+    return _CHECKED[key]
+
+
+# Spaces already checked in this process, by path and text (a SearchSpace is frozen).
+_CHECKED: dict[tuple[str, str], SearchSpace] = {}

@@ -50,8 +50,8 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
         cap = _CAP["cap"] = cap_allocator(request.memory_budget_bytes, rank.device, [None, *mesh_groups(mesh)])
 
     start = time.perf_counter()
-    built = build_model(request.model, request.fsdp.transformer_layer_cls)
-    num_params = sum(p.numel() for p in built.module.parameters())
+    built = build_model(request.model, request.fsdp.transformer_layer_cls, lora=request.lora)
+    num_params, trainable = built.count_parameters()
     phases["build_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -67,6 +67,7 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
 
     start = time.perf_counter()
     result = build_result(request, rank, measurement, num_params, phases, tuple(mesh.shape))
+    result.trainable_params, result.lora_target_modules = trainable, built.lora_targets
     if cap is not None:
         result.memory_cap_bytes = cap.cap_bytes
     if rank.is_main:

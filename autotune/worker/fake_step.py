@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autotune.config import FsdpConfig, accumulation_steps
+from autotune.config import FsdpConfig, LoraSpec, accumulation_steps
 from autotune.worker.fsdp import build_mesh, make_grad_scaler, parallelize
 from autotune.worker.measure import LiveStorageTracker
-from autotune.worker.models import block_count, build_model
-from autotune.worker.train import accumulate, train_step
+from autotune.worker.models import BuiltModel, apply_lora, block_count, build_model
+from autotune.worker.train import accumulate, make_optimizer, train_step
 
 METHOD = "fake_tensor_step"
 
@@ -82,6 +82,23 @@ class BreakdownTracker(LiveStorageTracker):
         return split
 
 
+def add_fake_adapters(built: BuiltModel, lora: LoraSpec) -> None:
+    """LoRA's adapters on a fake-tensor model, as :func:`apply_lora` puts them on a trial's.
+
+    peft moves each new adapter to its base layer's device with ``.to()``,
+    which cannot swap a fake parameter (torch 2.13: "Couldn't swap
+    Linear.weight"). So peft runs outside the fake mode, making its adapters
+    on the meta device, and each gets fake storage of its shape here.
+    """
+    with unset_fake_temporarily():
+        built.module, built.lora_targets = apply_lora(built.module, lora)
+    for module in built.module.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                fake = torch.empty(param.shape, dtype=param.dtype, device="cpu")
+                module.register_parameter(name, torch.nn.Parameter(fake, requires_grad=param.requires_grad))
+
+
 def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler,
                     micro_batches: int = 1) -> None:
     """``train_step`` as a fake tensor can run it.
@@ -121,7 +138,7 @@ FP16_SCALE = 2.0**16
 
 
 def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig, grad_accum_steps: int = 1,
-             num_blocks: int | None = None) -> dict[str, Any]:
+             num_blocks: int | None = None, lora: LoraSpec | None = None) -> dict[str, Any]:
     """Peak bytes per rank of one steady-state training step, and its breakdown.
 
     With gradient accumulation the step runs two micro batches, the first
@@ -141,9 +158,11 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
     mesh = build_mesh("cpu", cfg.sharding_strategy, world_size, nnodes, cfg.shard_group_size)
     with FakeTensorMode(allow_non_fake_inputs=True):
         built = build_model(model, cfg.transformer_layer_cls, device="cpu", num_blocks=num_blocks)
-        num_params = sum(p.numel() for p in built.module.parameters())
+        if lora is not None:
+            add_fake_adapters(built, lora)
+        num_params = built.count_parameters()[0]
         wrapped = parallelize(built.module, built.layers, cfg.to_dict(), torch.device("cpu"), mesh)
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+        optimizer = make_optimizer(wrapped)
         scaler = make_grad_scaler(cfg.mixed_precision, torch.device("cpu"))
         tokens = torch.randint(0, built.vocab_size, (cfg.micro_batch_size, seq_len))
         # The step measured is a steady one: its optimizer state exists before it starts.
@@ -175,7 +194,7 @@ def extrapolation_points(cfg: FsdpConfig) -> tuple[int, int]:
 
 
 def estimate_step(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig, grad_accum_steps: int = 1,
-                  exact: bool = False) -> dict[str, Any]:
+                  exact: bool = False, lora: LoraSpec | None = None) -> dict[str, Any]:
     """The fake step's peak and breakdown, from the whole model or, for a deep
     one, extrapolated from two shallow copies.
 
@@ -192,10 +211,10 @@ def estimate_step(model: str, world_size: int, nnodes: int, seq_len: int, cfg: F
     low_n, high_n = extrapolation_points(cfg)
     # Only where the two copies together are shallower than the model itself.
     if blocks is None or blocks < max(EXTRAPOLATE_FROM_BLOCKS, low_n + high_n + 1):
-        return estimate(model, world_size, nnodes, seq_len, cfg, grad_accum_steps)
+        return estimate(model, world_size, nnodes, seq_len, cfg, grad_accum_steps, lora=lora)
     start = time.perf_counter()
-    low = estimate(model, world_size, nnodes, seq_len, cfg, grad_accum_steps, num_blocks=low_n)
-    high = estimate(model, world_size, nnodes, seq_len, cfg, grad_accum_steps, num_blocks=high_n)
+    low = estimate(model, world_size, nnodes, seq_len, cfg, grad_accum_steps, num_blocks=low_n, lora=lora)
+    high = estimate(model, world_size, nnodes, seq_len, cfg, grad_accum_steps, num_blocks=high_n, lora=lora)
 
     def at_depth(a: int, b: int) -> int:
         return round(a + (blocks - low_n) * (b - a) / (high_n - low_n))
@@ -209,7 +228,7 @@ def estimate_step(model: str, world_size: int, nnodes: int, seq_len: int, cfg: F
 
 
 def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig,
-                    grad_accum_steps: int = 1, exact: bool = False) -> dict[str, Any]:
+                    grad_accum_steps: int = 1, exact: bool = False, lora: LoraSpec | None = None) -> dict[str, Any]:
     """``estimate``, with derived figures where a fake step cannot run the configuration.
 
     - CPU offload cannot be set up on a host without an accelerator: the step
@@ -235,7 +254,7 @@ def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg:
     zero2 = cfg.fsdp_version == 1 and cfg.sharding_strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2")
     if zero2:
         run_cfg = run_cfg.replace(sharding_strategy="FULL_SHARD" if cfg.sharding_strategy == "SHARD_GRAD_OP" else "HYBRID_SHARD")
-    result = estimate_step(model, world_size, nnodes, seq_len, run_cfg, grad_accum_steps, exact)
+    result = estimate_step(model, world_size, nnodes, seq_len, run_cfg, grad_accum_steps, exact, lora)
     if zero2:
         num_params = result.pop("num_params")
         itemsize = 4 if cfg.mixed_precision == "fp32" else 2
@@ -260,8 +279,9 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         cfg = FsdpConfig.from_dict(request["fsdp"])
         world_size = int(request["world_size"])
         accum = accumulation_steps(request.get("global_batch_size"), cfg.micro_batch_size, world_size)
+        lora = LoraSpec.from_dict(request["lora"]) if request.get("lora") else None
         return estimate_config(request["model"], world_size, int(request.get("nnodes", 1)), int(request["seq_len"]), cfg,
-                               accum, exact=bool(request.get("exact", False)))
+                               accum, exact=bool(request.get("exact", False)), lora=lora)
     except Exception as exc:  # noqa: BLE001 - one bad configuration must not end the server
         return {"error": f"{type(exc).__name__}: {exc}"}
 

@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from autotune.config import LoraSpec
 from autotune.presets import PRESETS, ModelSpec, parse_model_spec
 from autotune.worker.fsdp import find_layers
 
@@ -31,6 +32,13 @@ class BuiltModel:
     # and explicit prefetching.
     layers: list[nn.Module]
     layer_classes: tuple[str, ...]
+    # LoRA: the modules its adapters went on; None: every parameter trains.
+    lora_targets: list[str] | None = None
+
+    def count_parameters(self) -> tuple[int, int]:
+        """(all parameters, those the optimizer steps), each tied tensor once."""
+        params = list(self.module.parameters())
+        return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
 def _transformers_config(spec: ModelSpec, num_blocks: int | None = None):
@@ -113,7 +121,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str = "meta",
-                num_blocks: int | None = None) -> BuiltModel:
+                num_blocks: int | None = None, lora: LoraSpec | None = None) -> BuiltModel:
     """Build ``model`` (preset, config.json path or ``module:function``).
 
     ``device="meta"`` puts its parameters on the meta device and keeps its
@@ -122,6 +130,7 @@ def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str =
     fake tensors that FSDP1 can flatten, which meta tensors it cannot swap.
     ``layer_cls_names`` names the repeated block; empty means the model's
     ``_no_split_modules``. A ValueError names a class the model does not have.
+    ``lora`` freezes the base weights and adds adapters (see :func:`apply_lora`).
     """
     spec = parse_model_spec(model)
     with parameters_on_meta() if device == "meta" else torch.device(device):
@@ -149,4 +158,28 @@ def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str =
             f"{sorted(c for c in present if 'Layer' in c or 'Block' in c) or sorted(present)[:10]}"
         )
     layers = find_layers(module, names)
-    return BuiltModel(module=module, vocab_size=int(vocab_size), layers=layers, layer_classes=names)
+    targets = None
+    if lora is not None:
+        module, targets = apply_lora(module, lora)
+    return BuiltModel(module=module, vocab_size=int(vocab_size), layers=layers, layer_classes=names,
+                      lora_targets=targets)
+
+
+def apply_lora(module: nn.Module, lora: LoraSpec) -> tuple[nn.Module, list[str]]:
+    """Freeze ``module`` and add LoRA adapters with peft, as a user's fine-tuning does.
+
+    Adapters are made on the meta device (peft's ``low_cpu_mem_usage``) and
+    get storage, shard by shard, with the rest of the model: a fake-tensor
+    model cannot take them otherwise (``.to()`` cannot swap a fake parameter). The repeated
+    blocks stay the same module objects (peft swaps the linear layers inside
+    them), so they are still the units to wrap and checkpoint. Returns the
+    model to train and the module names the adapters went on.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise RuntimeError("LoRA trials need peft: pip install 'autotune[lora]'") from exc
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                        target_modules=list(lora.target_modules) or None, task_type="CAUSAL_LM")
+    model = get_peft_model(module, config, low_cpu_mem_usage=True)
+    return model, sorted(model.peft_config["default"].target_modules)

@@ -29,6 +29,11 @@ from autotune.worker.runtime import Rank, synchronize
 MIN_TIMED_STEPS = 3
 
 
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train: frozen ones (LoRA's base) get no state."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+
 def make_batch(vocab_size: int, micro_batch_size: int, seq_len: int, device: torch.device, seed: int) -> torch.Tensor:
     """Synthetic tokens: throughput and memory do not depend on what the tokens say."""
     generator = torch.Generator().manual_seed(seed)
@@ -120,7 +125,7 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
     """The trial's schedule: untimed warm-up steps, one memory step, then timed steps
     (see :func:`time_steps`). A hopeless first step ends it early."""
     device, cfg = rank.device, request.fsdp
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = make_optimizer(model)
     tokens = make_batch(vocab_size, cfg.micro_batch_size, request.seq_len, device, request.seed + rank.rank)
     trainer = Trainer(model, optimizer, tokens, make_grad_scaler(cfg.mixed_precision, device), request.grad_accum_steps)
     result = Measurement()
