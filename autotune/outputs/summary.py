@@ -170,7 +170,8 @@ def print_other_workload(study, settings: RunSettings) -> None:
         print(f"\nAgainst the {names[other.get('lora') is not None]}'s answer on the same model, ranks, seq len and "
               f"budget (study {summary.study_name}):")
         print(format_table(["workload", "tokens/s", "peak", "configuration"], rows, right=(1, 2)))
-        print(f"  {ours[2] / theirs[2]:.2f}x its tokens/s at {ours[3] / max(theirs[3], 1):.2f}x its peak; what moved: "
+        print(f"  {ours[2] / theirs[2]:.2f}x its tokens/s (measured in separate runs, not interleaved) at "
+              f"{ours[3] / max(theirs[3], 1):.2f}x its peak; what moved: "
               + (", ".join(changed) if changed else "nothing, the same configuration wins"))
         return
 
