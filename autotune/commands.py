@@ -63,13 +63,15 @@ def lora_spec(args: argparse.Namespace) -> Any:
         fields["lora_dropout"] = args.lora_dropout
     if args.lora_targets is not None:
         fields["target_modules"] = args.lora_targets
-        if not [n for n in args.lora_targets.split(",") if n.strip()]:
-            raise UsageError(f"--lora-targets {args.lora_targets!r} names no module; give names like q_proj,v_proj, "
-                             "or leave it out for peft's choice")
     try:
-        return LoraSpec(**fields)
+        spec = LoraSpec(**fields)
     except ConfigError as exc:
         raise UsageError(f"--lora-targets {args.lora_targets}: {exc}") from None
+    if args.lora_targets is not None and not spec.target_modules:
+        # LoraSpec reads no names as peft's choice; written out, that is a mistake.
+        raise UsageError(f"--lora-targets {args.lora_targets!r} names no module; give names like q_proj,v_proj, "
+                         "or leave it out for peft's choice")
+    return spec
 
 
 def choose_launcher(asked: str, nnodes: int) -> str:

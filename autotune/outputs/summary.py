@@ -149,7 +149,9 @@ def print_other_workload(study, settings: RunSettings) -> None:
     from autotune.study.settings import study_identity
     from autotune.study.storage import open_storage
 
-    mine = study_identity(settings)
+    mine, ours = study_identity(settings), best_figures(study)
+    if ours is None:
+        return
     storage = open_storage(settings.study.storage_url)
     same = ("model", "nproc", "seq_len", "budget_bytes", "global_batch_size", "nnodes")
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
@@ -159,8 +161,7 @@ def print_other_workload(study, settings: RunSettings) -> None:
         if any(other.get(key) != mine[key] for key in same):
             continue
         theirs = best_figures(optuna.load_study(study_name=summary.study_name, storage=storage))
-        ours = best_figures(study)
-        if theirs is None or ours is None:
+        if theirs is None:
             continue
         names = {True: "LoRA", False: "full fine-tune"}
         rows = [[names[mine["lora"] is not None], f"{ours[2]:,.0f}", format_bytes(ours[3]), ours[1]],
