@@ -138,10 +138,34 @@ RESOURCE_FIXTURES = {"postgres": "server", "slurm": "server", "chromium": "brows
 RESOURCE_MARKERS = ("torchrun", "server", "browser", "bench", "consumer")
 
 
+# The order of work under pytest-xdist (`-n`, `--dist loadfile` in addopts): each file runs on one worker, so a
+# module's fixtures (a study, an estimator, a grid of trials) are built once; the files that hold a server or such a
+# fixture go out first, and the fast tests fill the gaps at the end. (`--dist loadgroup` would place the server
+# tests of several files together, but xdist 3.8 marks a group by writing ``item._nodeid``, which pytest 9.2 no
+# longer reads: measured, every group was split across the workers.)
+RUN_ORDER = ("server", "module", "torchrun", "browser", "fast")
+
+
+def _module_fixture_cost(item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture and starts something."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any(d.scope == "module" for defs_ in defs.values() for d in defs_) and not item.get_closest_marker("fast")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {}
     for item in items:
         for fixture, marker in RESOURCE_FIXTURES.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
         if not any(item.get_closest_marker(m) for m in RESOURCE_MARKERS):
             item.add_marker("fast")
+        if item.get_closest_marker("server"):
+            rank[item] = RUN_ORDER.index("server")
+        elif _module_fixture_cost(item):
+            rank[item] = RUN_ORDER.index("module")
+        else:
+            # bench and consumer (left out unless asked for) start processes as heavy as a trial's.
+            rank[item] = min((RUN_ORDER.index(m) for m in RUN_ORDER[2:] if item.get_closest_marker(m)),
+                             default=RUN_ORDER.index("torchrun"))
+    items.sort(key=rank.__getitem__)  # stable: a module's own order holds
