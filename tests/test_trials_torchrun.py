@@ -135,10 +135,12 @@ def test_timeout_kills_the_whole_job(tmp_path_factory, forks, forked):
 
 def test_timing_stops_once_the_mean_is_known_and_never_before_three_steps(tmp_path_factory, forks):
     cfg = FsdpConfig(fsdp_version=2, transformer_layer_cls=("LlamaDecoderLayer",))
-    loose = _run(tmp_path_factory, cfg, forks=forks, timed_steps=6, timing_ci=0.9).result
+    loose = _run(tmp_path_factory, cfg, forks=forks, timed_steps=6, timing_ci=0.99).result
     exact = _run(tmp_path_factory, cfg, forks=forks, timed_steps=6, timing_ci=0.0).result
     assert loose.status == exact.status == "ok"
-    assert loose.timed_steps == 3  # converged at once, but 3 steps is the floor
+    # Known to within 99% after 3 steps almost always (3 is the floor), but not always: with a second pytest worker
+    # beside it, 3 steps spread over 0.24-0.5 s once needed a 4th (2026-12-06).
+    assert 3 <= loose.timed_steps < 6
     assert exact.timed_steps == 6  # timing_ci=0 runs every timed step
 
 
