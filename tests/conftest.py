@@ -146,26 +146,28 @@ RESOURCE_MARKERS = ("torchrun", "server", "browser", "bench", "consumer")
 RUN_ORDER = ("server", "module", "torchrun", "browser", "fast")
 
 
-def _module_fixture_cost(item) -> bool:
-    """Whether ``item`` uses a module-scoped fixture and starts something."""
+def _uses_a_module_fixture(item) -> bool:
+    """Whether ``item`` starts something and uses a module-scoped fixture (built once per worker that runs it)."""
     defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     return any(d.scope == "module" for defs_ in defs.values() for d in defs_) and not item.get_closest_marker("fast")
 
 
+def _run_rank(item) -> int:
+    """``item``'s place in RUN_ORDER, read from the markers given below."""
+    if item.get_closest_marker("server"):
+        return RUN_ORDER.index("server")
+    if _uses_a_module_fixture(item):
+        return RUN_ORDER.index("module")
+    # bench and consumer (left out unless asked for) start processes as heavy as a trial's.
+    return min((RUN_ORDER.index(m) for m in ("torchrun", "browser", "fast") if item.get_closest_marker(m)),
+               default=RUN_ORDER.index("torchrun"))
+
+
 def pytest_collection_modifyitems(config, items):
-    rank = {}
     for item in items:
         for fixture, marker in RESOURCE_FIXTURES.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
         if not any(item.get_closest_marker(m) for m in RESOURCE_MARKERS):
             item.add_marker("fast")
-        if item.get_closest_marker("server"):
-            rank[item] = RUN_ORDER.index("server")
-        elif _module_fixture_cost(item):
-            rank[item] = RUN_ORDER.index("module")
-        else:
-            # bench and consumer (left out unless asked for) start processes as heavy as a trial's.
-            rank[item] = min((RUN_ORDER.index(m) for m in RUN_ORDER[2:] if item.get_closest_marker(m)),
-                             default=RUN_ORDER.index("torchrun"))
-    items.sort(key=rank.__getitem__)  # stable: a module's own order holds
+    items.sort(key=_run_rank)  # stable: a module's own order holds

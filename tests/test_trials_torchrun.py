@@ -8,6 +8,7 @@ import pytest
 
 from autotune.config import FsdpConfig, TrialRequest
 from autotune.launch.launcher import launch_trial, process_tree
+from tests.conftest import processes_mentioning
 
 pytestmark = pytest.mark.torchrun
 
@@ -115,10 +116,8 @@ def test_rank_killed_by_a_signal_is_named_with_its_log(tmp_path_factory, forks):
 
 @pytest.mark.parametrize("forked", (False, True), ids=("fresh", "forked"))
 def test_timeout_kills_the_whole_job(tmp_path_factory, forks, forked):
-    import subprocess
-
     def workers() -> set[int]:
-        return {int(p) for p in subprocess.run(["pgrep", "-f", "autotune.worker"], capture_output=True, text=True).stdout.split()}
+        return set(processes_mentioning("autotune.worker"))
 
     before = workers()
     outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=2), model="tests.models:hang", timeout=8,
