@@ -65,7 +65,16 @@ def crash_on_rank1():
     return _CrashOnRank1LM()
 
 
+# Where each rank of a hanging model leaves its pid, when set: the orphan check looks for exactly those processes.
+PID_DIR_VAR = "AUTOTUNE_TEST_PID_DIR"
+
+
 def hang():
+    import os
+    from pathlib import Path
+
+    if os.environ.get(PID_DIR_VAR):
+        Path(os.environ[PID_DIR_VAR], f"rank-{os.getpid()}.pid").write_text(f"{os.getpid()}\n")
     return _HangingLM()
 
 

@@ -3,12 +3,13 @@
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 
 from autotune.config import FsdpConfig, TrialRequest
 from autotune.launch.launcher import launch_trial, process_tree
-from tests.conftest import processes_mentioning
+from tests.models import PID_DIR_VAR
 
 pytestmark = pytest.mark.torchrun
 
@@ -115,21 +116,28 @@ def test_rank_killed_by_a_signal_is_named_with_its_log(tmp_path_factory, forks):
 
 
 @pytest.mark.parametrize("forked", (False, True), ids=("fresh", "forked"))
-def test_timeout_kills_the_whole_job(tmp_path_factory, forks, forked):
-    def workers() -> set[int]:
-        return set(processes_mentioning("autotune.worker"))
-
-    before = workers()
+def test_timeout_kills_the_whole_job(tmp_path_factory, forks, forked, monkeypatch):
+    # Each rank leaves its pid (tests.models:hang): the check looks for those processes, not for a command line
+    # that the other xdist worker's trials, or a fork server on its way out, share.
+    pid_dir = tmp_path_factory.mktemp("pids")
+    monkeypatch.setenv(PID_DIR_VAR, str(pid_dir))
     outcome = _run(tmp_path_factory, FsdpConfig(fsdp_version=2), model="tests.models:hang", timeout=8,
                    forks=forks if forked else None)
     assert outcome.result.status == "timeout"
     assert outcome.wall_s < 40
-    # An orphaned rank leaves this tree for init's; what runs under a sibling is another xdist worker's trial.
-    # (Read in this order, and kept only while alive, so that one of them ending in between is no leak.)
-    new = workers() - before
-    siblings = set(process_tree(os.getppid())) - set(process_tree(os.getpid()))
-    assert {p for p in new - siblings if os.path.exists(f"/proc/{p}")} == set(), "ranks outlived the killed trial"
+    ranks = [int(p.read_text()) for p in pid_dir.glob("rank-*.pid")]
+    assert len(ranks) == 2, f"{len(ranks)} rank(s) reached the model before the timeout: nothing to check"
+    assert [pid for pid in ranks if _running(pid)] == [], "ranks outlived the killed trial"
     assert process_tree(os.getpid())[0] == os.getpid()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has; only its exit status is left to collect)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_timing_stops_once_the_mean_is_known_and_never_before_three_steps(tmp_path_factory, forks):
