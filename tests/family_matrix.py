@@ -1,14 +1,15 @@
-"""One model family against every cell of the compatibility matrix, in one 2-rank torchrun job.
+"""Model families against every cell of the compatibility matrix, in one 2-rank torchrun job.
 
-    torchrun --nproc-per-node 2 tests/family_matrix.py MODEL OUT_JSON
+    torchrun --nproc-per-node 2 tests/family_matrix.py OUT_JSON MODEL [MODEL ...]
 
 Each cell (FSDP version x wrap policy x checkpointing x precision) is applied
 to a fresh copy of the model exactly as a trial applies it (autotune.worker:
 meta-device build, checkpointing, FSDP, shard-by-shard materialization), then
 trains one real step. A cell passes when the loss is finite, the parameters
 moved, and tied weights are still one tensor. Cells share the job, not state:
-isolation is not the point here, so the matrix costs seconds per family.
-Rank 0 writes ``{cell: "trained" | "error: ..."}`` to OUT_JSON.
+isolation is not the point here, so the matrix costs seconds per family, and
+the families share one job's start-up (torch's imports, the process group).
+Rank 0 writes ``{model: {cell: "trained" | "error: ..."}}`` to OUT_JSON.
 """
 
 from __future__ import annotations
@@ -83,18 +84,19 @@ def train_cell(model_name: str, cell: tuple) -> None:
 
 
 def main(argv: list[str]) -> int:
-    model_name, out = argv
+    out, *model_names = argv
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
-    results = {}
-    for cell in CELLS:
+    results: dict[str, dict[str, str]] = {}
+    for model_name, cell in itertools.product(model_names, CELLS):
         try:
             train_cell(model_name, cell)
-            results[cell_name(cell)] = "trained"
+            outcome = "trained"
         except Exception as exc:  # noqa: BLE001 - every cell's outcome is the product
-            results[cell_name(cell)] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            outcome = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             if os.environ.get("AUTOTUNE_MATRIX_TRACEBACK"):
                 traceback.print_exc()
+        results.setdefault(model_name, {})[cell_name(cell)] = outcome
         dist.barrier()
     if dist.get_rank() == 0:
         with open(out, "w") as f:
