@@ -6,7 +6,7 @@ import random
 import optuna
 import pytest
 
-from autotune.config import FsdpConfig, TrialResult
+from autotune.config import FsdpConfig
 from autotune.study import run_study
 from autotune.study.record import Attr, StudyAttr, is_confirmation, is_feasible, trial_config
 from autotune.study.verdict import Role, read_verdict

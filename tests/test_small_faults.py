@@ -5,7 +5,6 @@ import json
 import threading
 
 import optuna
-import pytest
 
 from autotune.config import FsdpConfig, TrialRequest, TrialResult
 from autotune.outputs.export import write_text
