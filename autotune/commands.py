@@ -197,16 +197,10 @@ def _workload_text(lora: Any) -> str:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    import random
-
-    from autotune.launch.estimator_client import EstimatorClient
-    from autotune.launch.host import probe
-    from autotune.outputs.estimate_table import estimate_rows, estimates_json, estimates_table
-    from autotune.presets import choose_seq_len, parse_model_spec
-    from autotune.study.equivalence import Topology
-    from autotune.study.margin import default_margin
+    from autotune.launch.forkserver import ForkServer
+    from autotune.presets import parse_model_spec
     from autotune.study.space import load_space
-    from autotune.units import format_bytes, parse_memory
+    from autotune.units import parse_memory
 
     budget = parse_memory(args.mem_budget)
     spec = parse_model_spec(args.model)
@@ -214,7 +208,27 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     space = load_space(args.space)
     if args.nproc % args.nnodes:
         raise UsageError(f"--nproc {args.nproc} is not a multiple of --nnodes {args.nnodes}; give ranks that the nodes share evenly")
-    _, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class))
+    # As `run` does: the probe and every fake step forked from one server, which pays torch's imports once.
+    forks = ForkServer(model=_model_argument(spec, args.model))
+    try:
+        return _estimate(args, spec, budget, lora, space, forks)
+    finally:
+        forks.close()
+
+
+def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space: Any, forks: Any) -> int:
+    import os
+    import random
+
+    from autotune.launch.estimator_client import EstimatorClient
+    from autotune.launch.host import probe
+    from autotune.outputs.estimate_table import estimate_rows, estimates_json, estimates_table
+    from autotune.presets import choose_seq_len
+    from autotune.study.equivalence import Topology
+    from autotune.study.margin import default_margin
+    from autotune.units import format_bytes
+
+    _, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class), forks=forks)
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note:
         print(f"autotune estimate: {seq_note}", file=sys.stderr)
@@ -227,11 +241,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         configs = random.Random(args.seed).sample(configs, limit)
     margin = default_margin(args.device)
     client = EstimatorClient(_model_argument(spec, args.model), args.nproc, args.nnodes, seq_len,
-                             exact=args.exact, lora=lora)
+                             exact=args.exact, lora=lora, forks=forks)
     progress = None if args.format == "json" else (
         lambda i, cfg: print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True))
+    # Forked fake steps run side by side, one to a core (a few hundred MB each); without the server, one at a time.
+    cores = tuple(sorted(os.sched_getaffinity(0)))[:16] if forks.ready() else ()
     try:
-        rows = estimate_rows(client.estimate, configs, margin, budget, progress)
+        rows = estimate_rows(client.estimate, configs, margin, budget, progress, cores=cores)
     finally:
         client.close()
     if args.format == "json":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from autotune.config import FsdpConfig
@@ -13,24 +15,48 @@ from autotune.units import format_bytes
 BREAKDOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 
 
-def estimate_rows(estimate: Callable[[FsdpConfig], dict[str, Any]], configs: list[FsdpConfig], margin: Margin,
-                  budget_bytes: int, progress: Callable[[int, FsdpConfig], None] | None = None) -> list[dict[str, Any]]:
+def estimate_rows(estimate: Callable[..., dict[str, Any]], configs: list[FsdpConfig], margin: Margin,
+                  budget_bytes: int, progress: Callable[[int, FsdpConfig], None] | None = None,
+                  cores: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """One row per configuration, smallest predicted peak first: a numeric
-    peak, or an ``error`` naming why it could not be estimated."""
-    rows = []
-    for i, cfg in enumerate(configs):
+    peak, or an ``error`` naming why it could not be estimated. With ``cores``,
+    one estimate runs on each at a time (``estimate(cfg, cores=(core,))``);
+    without, one at a time wherever the estimator runs."""
+    free: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for core in cores:
+        free.put(core)
+
+    def row(numbered: tuple[int, FsdpConfig]) -> dict[str, Any]:
+        i, cfg = numbered
         if progress is not None:
             progress(i, cfg)
-        result = estimate(cfg)
-        if "error" in result:
-            rows.append({"config": cfg.to_dict(), "label": cfg.describe(), "error": result["error"]})
-            continue
-        device_peak = margin.apply(result["peak_bytes"])
-        rows.append({"config": cfg.to_dict(), "label": cfg.describe(), "tensor_peak_bytes": result["peak_bytes"],
-                     "predicted_peak_bytes": device_peak, "fits": device_peak <= budget_bytes,
-                     "breakdown": result["breakdown"], "method": result["method"], "seconds": result["seconds"]})
+        if not cores:
+            return _row(cfg, estimate(cfg), margin, budget_bytes)
+        core = free.get()
+        try:
+            return _row(cfg, estimate(cfg, cores=(core,)), margin, budget_bytes)
+        finally:
+            free.put(core)
+
+    pool = ThreadPoolExecutor(max(1, len(cores)))
+    try:
+        rows = list(pool.map(row, enumerate(configs)))
+    except BaseException:
+        # Ctrl-C: the running estimates see the stop request; the queued ones must not start.
+        pool.shutdown(cancel_futures=True)
+        raise
+    pool.shutdown()
     rows.sort(key=lambda r: r.get("predicted_peak_bytes", float("inf")))
     return rows
+
+
+def _row(cfg: FsdpConfig, result: dict[str, Any], margin: Margin, budget_bytes: int) -> dict[str, Any]:
+    if "error" in result:
+        return {"config": cfg.to_dict(), "label": cfg.describe(), "error": result["error"]}
+    device_peak = margin.apply(result["peak_bytes"])
+    return {"config": cfg.to_dict(), "label": cfg.describe(), "tensor_peak_bytes": result["peak_bytes"],
+            "predicted_peak_bytes": device_peak, "fits": device_peak <= budget_bytes,
+            "breakdown": result["breakdown"], "method": result["method"], "seconds": result["seconds"]}
 
 
 def largest_micro_batch(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
