@@ -32,8 +32,8 @@ def test_accumulation_counts_every_micro_batch_and_holds_unsynced_gradients(vers
 
 def test_the_estimate_runs_the_accumulation_a_trial_runs(tmp_path_factory, forks):
     cfg = FsdpConfig(fsdp_version=2, sharding_strategy="FULL_SHARD", transformer_layer_cls=LAYER, micro_batch_size=1)
-    with_accum = EstimatorClient("llama-tiny", 2, 1, SEQ, global_batch_size=8)  # 8 / (1 x 2 ranks): 4 micro batches
-    without = EstimatorClient("llama-tiny", 2, 1, SEQ)
+    with_accum = EstimatorClient("llama-tiny", 2, 1, SEQ, global_batch_size=8, forks=forks)  # 8 / (1 x 2 ranks): 4 micro batches
+    without = EstimatorClient("llama-tiny", 2, 1, SEQ, forks=forks)
     try:
         predicted, plain = with_accum.estimate(cfg), without.estimate(cfg)
     finally:

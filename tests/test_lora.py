@@ -117,7 +117,7 @@ def test_a_lora_trial_trains_only_its_adapters_and_its_estimate_matches(version,
     # No gradients or Adam moments for frozen weights: the peak falls by a third or more.
     assert tuned.peak_memory_bytes < 0.7 * full.peak_memory_bytes
     assert tuned.loss_last < tuned.loss_first  # the adapters learn
-    client = EstimatorClient("llama-tiny", 2, 1, 64, lora=lora)
+    client = EstimatorClient("llama-tiny", 2, 1, 64, lora=lora, forks=forks)
     try:
         predicted = client.estimate(cfg)
     finally:

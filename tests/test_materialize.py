@@ -63,7 +63,7 @@ def test_estimator_and_trial_agree_on_a_tied_models_peak(version, tmp_path, fork
     model.write_text(json.dumps({**PRESETS["llama-tiny"], "vocab_size": 32000, "tie_word_embeddings": True}))
     cfg = FsdpConfig(fsdp_version=version, sharding_strategy="NO_SHARD", micro_batch_size=2,
                      transformer_layer_cls=("LlamaDecoderLayer",))
-    client = EstimatorClient(str(model), 2, 1, 128)
+    client = EstimatorClient(str(model), 2, 1, 128, forks=forks)
     try:
         predicted = client.estimate(cfg)["peak_bytes"]
     finally:

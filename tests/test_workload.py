@@ -29,7 +29,7 @@ def test_selective_checkpointing_keeps_matmul_outputs_between_none_and_full(tmp_
         peaks[ac] = result.peak_memory_bytes
     # Recomputing only the cheap ops saves less than recomputing everything.
     assert peaks["full"] < peaks["selective"] < peaks["none"]
-    client = EstimatorClient("llama-tiny", 2, 1, SEQ)
+    client = EstimatorClient("llama-tiny", 2, 1, SEQ, forks=forks)
     try:
         predicted = client.estimate(FsdpConfig(fsdp_version=2, activation_checkpointing="selective", micro_batch_size=4,
                                                transformer_layer_cls=LAYER))
@@ -52,7 +52,7 @@ def test_compiled_blocks_train_and_a_second_trial_reuses_the_compiled_kernels(tm
     assert first.tokens_per_s > 0 and first.peak_memory_bytes > 0
     # Compilation lands in the first, untimed step; inductor's cache spares the second trial most of it.
     assert second.phases["first_step_s"] < first.phases["first_step_s"]
-    client = EstimatorClient("llama-tiny", 2, 1, SEQ)
+    client = EstimatorClient("llama-tiny", 2, 1, SEQ, forks=forks)
     try:
         predicted = client.estimate(cfg)
     finally:
