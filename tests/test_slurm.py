@@ -60,7 +60,7 @@ def test_a_two_node_trial_runs_as_one_job_step_of_two_agents(slurm, tmp_path):
 
 def test_a_timed_out_step_leaves_no_step_and_no_process(slurm, tmp_path):
     start = time.monotonic()
-    done = _in_allocation(slurm, tmp_path, sys.executable, "-c", TRIAL, "tests.models:hang", "20", str(tmp_path / "trial"))
+    done = _in_allocation(slurm, tmp_path, sys.executable, "-c", TRIAL, "tests.models:hang", "12", str(tmp_path / "trial"))
     result = _result(done)
     assert result["status"] == "timeout" and result["wall_s"] < 60
     assert time.monotonic() - start < 120
