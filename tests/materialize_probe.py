@@ -1,6 +1,8 @@
 """Run under torchrun: build a model as a trial does, wrap it, report parameter counts and ties.
 
-    torchrun --nproc-per-node 2 tests/materialize_probe.py MODEL FSDP_VERSION STRATEGY
+    torchrun --nproc-per-node 2 tests/materialize_probe.py MODEL FSDP_VERSION STRATEGY [MODEL FSDP_VERSION STRATEGY ...]
+
+Rank 0 prints one ``REPORT {...}`` line per case, in order; the cases share the job's start-up.
 """
 
 import json
@@ -35,9 +37,7 @@ def expert_units(model) -> list[str]:
     return sorted(owners)
 
 
-def main() -> None:
-    model, version, strategy = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo")
+def report(model: str, version: int, strategy: str) -> dict:
     built = build_model(model)
     before = {"params": sum(p.numel() for p in built.module.parameters()), "tied": tied(built.module)}
     cfg = FsdpConfig(fsdp_version=version, sharding_strategy=strategy, transformer_layer_cls=built.layer_classes)
@@ -51,12 +51,19 @@ def main() -> None:
             after = sum(p.numel() for p in wrapped.parameters())
     else:
         after = sum(p.numel() for p in wrapped.parameters())  # DTensors report their global shape
-    report = {"before": before, "after": {"params": after, "tied": tied(wrapped)},
-              "meta_left": any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()]),
-              "expert_units": expert_units(wrapped) if version == 2 else None}
-    if dist.get_rank() == 0:
-        print("REPORT " + json.dumps(report), flush=True)
-    dist.barrier()
+    return {"before": before, "after": {"params": after, "tied": tied(wrapped)},
+            "meta_left": any(t.is_meta for t in [*wrapped.parameters(), *wrapped.buffers()]),
+            "expert_units": expert_units(wrapped) if version == 2 else None}
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    dist.init_process_group("gloo")
+    for model, version, strategy in zip(args[0::3], args[1::3], args[2::3]):
+        case = report(model, int(version), strategy)
+        if dist.get_rank() == 0:
+            print("REPORT " + json.dumps(case), flush=True)
+        dist.barrier()
     os._exit(0)  # gloo + FSDP1 destructors can abort after the work is done
 
 

@@ -143,8 +143,10 @@ def test_the_classes_rest_on_measurement(tmp_path, forks):
             peaks, other_peaks = list(map(min, peaks, again)), list(map(min, other_peaks, other_again))
         assert loss == other_loss, claim
         if "leaner" in claim:
-            # FSDP2's peaks move by a few hundred KB from run to run as its asynchronous frees land.
-            assert all(a <= b * 1.02 for a, b in zip(peaks, other_peaks)), claim
+            # FSDP2's peaks move from run to run as its asynchronous frees land: FULL_SHARD at seq 64 held 614,400 B
+            # more on one rank in 4 runs of 5 beside a busy core (46,711,732 against 46,097,332), and one suite run
+            # on 2 busy cores went past 2% (one such step is 1.3%): 3% leaves room for two.
+            assert all(a <= b * 1.03 for a, b in zip(peaks, other_peaks)), (claim, peaks, other_peaks)
         else:
             assert peaks == other_peaks, claim
     no_shard = measure(cfg(fsdp_version=1, sharding_strategy="NO_SHARD"), "ns")

@@ -30,19 +30,29 @@ def models(tmp_path_factory):
     return paths
 
 
-def _probe(model: str, version: int, strategy: str) -> dict:
+def _probe(*cases: tuple[str, int, str]) -> list[dict]:
+    """One report per (model, FSDP version, strategy), from one torchrun job."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(REPO / "tests" / "materialize_probe.py"), model, str(version), strategy],
+                           str(REPO / "tests" / "materialize_probe.py"), *(str(a) for case in cases for a in case)],
                           capture_output=True, text=True, timeout=240, cwd=REPO)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("REPORT ")), None)
-    assert line, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads(line[len("REPORT "):])
+    reports = [json.loads(l[len("REPORT "):]) for l in done.stdout.splitlines() if l.startswith("REPORT ")]
+    assert len(reports) == len(cases), done.stdout[-2000:] + done.stderr[-3000:]
+    return reports
 
 
-@pytest.mark.parametrize("version", (1, 2))
-@pytest.mark.parametrize("kind, params", [("tied", 146_240), ("untied", 210_240)])
-def test_wrapping_keeps_every_parameter_and_every_tie(models, version, kind, params):
-    report = _probe(str(models[kind]), version, "FULL_SHARD")
+WRAPPED = [(kind, params, version) for kind, params in (("tied", 146_240), ("untied", 210_240)) for version in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def wrapped(models) -> dict[tuple[str, int], dict]:
+    """Each model wrapped by each FSDP version, in one job: a job's start-up is most of a case's cost."""
+    reports = _probe(*((str(models[kind]), version, "FULL_SHARD") for kind, _, version in WRAPPED))
+    return {(kind, version): report for (kind, _, version), report in zip(WRAPPED, reports)}
+
+
+@pytest.mark.parametrize("kind, params, version", WRAPPED)
+def test_wrapping_keeps_every_parameter_and_every_tie(wrapped, kind, params, version):
+    report = wrapped[(kind, version)]
     assert report["before"] == {"params": params, "tied": kind == "tied"}
     assert report["after"] == {"params": params, "tied": kind == "tied"}
     assert report["meta_left"] is False

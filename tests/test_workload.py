@@ -80,7 +80,7 @@ def mixtral_config(tmp_path):
 def test_the_experts_are_sharded_inside_each_decoder_layers_unit(mixtral_config):
     from tests.test_materialize import _probe
 
-    report = _probe(str(mixtral_config), 2, "FULL_SHARD")
+    (report,) = _probe((str(mixtral_config), 2, "FULL_SHARD"))
     assert report["after"] == report["before"] and report["meta_left"] is False
     assert report["expert_units"] == ["MixtralDecoderLayer"]
 
