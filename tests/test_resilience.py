@@ -71,7 +71,7 @@ def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path):
 
 
 def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path):
-    args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--trials", "3", "--confirm", "1", *FAST]
+    args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--trials", "3", "--confirm", "1", "--no-estimate", *FAST]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     tuners = [subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(3)]
@@ -101,7 +101,7 @@ def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path):
 
 def test_device_slots_run_trials_side_by_side(tmp_path):
     done = run_cli("run", "--mem-budget", "20GB", "--nproc", "1", "--devices", "0", "--devices", "1",
-                   "--trials", "4", "--confirm", "0", *FAST, cwd=tmp_path)
+                   "--trials", "4", "--confirm", "0", "--no-estimate", *FAST, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     launched = [t for t in _study(tmp_path, "llama-tiny-w1-s32-20GB").trials
                 if "started_at" in t.user_attrs and "reused_from" not in t.user_attrs]
