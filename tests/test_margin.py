@@ -51,3 +51,31 @@ def test_a_prediction_near_the_budget_keeps_a_chance_and_one_far_over_has_none()
     assert measured.low_factor(method) == derived
     assert calibrated_margin([Sample(99, 100)] * 3, "cpu").low_factor() == exact
     assert measured.lowest(100, "fake_tensor_step") <= 80 <= 109 <= measured.apply(100)
+
+
+def test_a_margin_asked_for_while_another_thread_calibrates_it_is_never_none(monkeypatch):
+    """Trials on two device slots finish in two threads, and both ask the gate for its margin: the second
+    once found the trials counted and the margin not yet set, and a trial failed on None.source."""
+    import threading
+    import time
+
+    import optuna
+
+    from autotune.study import gate as gate_module
+    from autotune.study.space import load_space
+
+    calibrate = gate_module.calibrated_margin
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return calibrate(*args, **kwargs)
+
+    monkeypatch.setattr(gate_module, "calibrated_margin", slow)
+    gate = gate_module.MemoryGate(optuna.create_study(direction="maximize"), load_space("smoke"),
+                                  ("LlamaDecoderLayer",), 20 * 10**9, "cpu", None, lambda _: None)
+    first = threading.Thread(target=gate.refresh)
+    first.start()
+    time.sleep(0.1)  # the first refresh is calibrating
+    margin = gate.margin()
+    first.join()
+    assert margin is not None and margin.factor >= 1.0

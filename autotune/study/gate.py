@@ -19,6 +19,7 @@ before it may launch, as cheaply as the answer allows:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -110,6 +111,9 @@ class MemoryGate:
         self.model = PeakModel()
         self._seen_trials = -1
         self._margin: Margin | None = None
+        # Trials on several device slots finish in threads of their own, and each refreshes: one refresh at a time,
+        # so that none finds the trials counted and the margin not yet set (it returned None, and a trial failed).
+        self._refresh_lock = threading.Lock()
 
     def start(self) -> GatePlan:
         """Plan the run (see the module's docstring and :func:`plan_run`)."""
@@ -198,16 +202,17 @@ class MemoryGate:
     def refresh(self) -> None:
         """Take in the study's measured trials (the runner calls it after each trial): they are the
         surest witnesses of the memory order, and they calibrate the margin."""
-        trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-        if len(trials) == self._seen_trials:
-            return
-        self._seen_trials = len(trials)
-        self.witnesses.take_measured(trials)
-        margin = calibrated_margin(measured_samples(self.study, self.budget_bytes), self.device_type)
-        if margin != self._margin:
-            # Predictions judged with the old margin are judged again from their figures.
-            self._margin = margin
-            self.witnesses.forget_predicted()
+        with self._refresh_lock:
+            trials = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if len(trials) == self._seen_trials:
+                return
+            self.witnesses.take_measured(trials)
+            margin = calibrated_margin(measured_samples(self.study, self.budget_bytes), self.device_type)
+            if margin != self._margin:
+                # Predictions judged with the old margin are judged again from their figures.
+                self._margin = margin
+                self.witnesses.forget_predicted()
+            self._seen_trials = len(trials)
 
     def margin(self) -> Margin:
         """The device margin, calibrated on this study's measured, launched trials (as of the last :meth:`refresh`)."""
