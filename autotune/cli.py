@@ -280,8 +280,9 @@ def _add_measure(commands: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("run", "measure"):
-        # Both launch torchrun jobs: SIGTERM must stop them as Ctrl-C does.
+    if args.command in ("run", "measure", "estimate"):
+        # They start processes (torchrun jobs, fake steps in threads of their own): SIGTERM must stop them as Ctrl-C
+        # does, and a waiting thread learns of either only from the flag the handler sets.
         interrupts.install()
     from autotune import commands
 
@@ -308,8 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before a study exists, or in a command with nothing to keep.
         code = exc.exit_code if isinstance(exc, interrupts.Interrupted) else 130
         name = exc.name if isinstance(exc, interrupts.Interrupted) else "SIGINT"
-        print(f"\nautotune {args.command}: interrupted by {name}; every finished trial is saved, "
-              "rerun the same command to resume", file=sys.stderr)
+        kept = "" if args.command == "estimate" else "; every finished trial is saved, rerun the same command to resume"
+        print(f"\nautotune {args.command}: interrupted by {name}{kept}", file=sys.stderr)
         return code
 
 

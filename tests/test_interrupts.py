@@ -48,10 +48,10 @@ def _tagged_processes(tag: str) -> list[int]:
     return found
 
 
-def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
+def _start(tmp_path: Path, *args: str, command: str = "run") -> tuple[subprocess.Popen, str]:
     tag = f"AUTOTUNE_TEST_TAG={uuid.uuid4().hex}"
     env = {**os.environ, "PYTHONPATH": str(REPO), "AUTOTUNE_TEST_TAG": tag.split("=", 1)[1]}
-    tuner = subprocess.Popen([sys.executable, "-m", "autotune", "run", *args], cwd=tmp_path, env=env,
+    tuner = subprocess.Popen([sys.executable, "-m", "autotune", command, *args], cwd=tmp_path, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return tuner, tag
 
@@ -139,6 +139,19 @@ def test_while_recording_a_result(tmp_path, sig):
     out, err = _finish(tuner, tag, sig)
     assert f"Interrupted by {signal.Signals(sig).name}" in out
     _assert_interrupted_and_queued(_study(tmp_path), 0, sig)
+
+
+def test_estimate_stops_every_fake_step_it_runs_side_by_side(tmp_path):
+    """`autotune estimate` runs its fake steps in threads, one to a core: the signal reaches the main thread
+    only, and before the handler was installed for it the interrupted command waited on steps that sleep an hour."""
+    space = tmp_path / "space.yaml"
+    space.write_text("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP]\nmicro_batch_size: 1\n")
+    tuner, tag = _start(tmp_path, "--mem-budget", "1GB", "--model", "tests.models:slow_to_estimate", "--space",
+                        str(space), "--seq-len", "32", command="estimate")
+    _wait_for(tmp_path / "estimating.marker", tuner)
+    tuner.send_signal(signal.SIGINT)
+    _, err = _finish(tuner, tag, signal.SIGINT)
+    assert err.strip().splitlines()[-1] == "autotune estimate: interrupted by SIGINT"
 
 
 def test_the_rerun_measures_the_interrupted_configuration(tmp_path):
