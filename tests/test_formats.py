@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import optuna
 import pytest
@@ -196,36 +197,37 @@ def test_torchtitan_0_3_overrides_say_what_the_trial_ran(case):
 
 
 TRAIN_WITH_EXPORT = '''
-import math, sys
-sys.modules["autotune"] = None  # the exported module must work without autotune
+import importlib.util, math, os, sys
+sys.modules["autotune"] = None  # the exported modules must work without autotune
 import torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-from fsdp_config import CONFIG, apply_fsdp, grad_scaler
 from transformers import LlamaConfig, LlamaForCausalLM
 dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=4, vocab_size=256))
-model = apply_fsdp(model, device=torch.device("cpu"))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-scaler = grad_scaler(torch.device("cpu"))
-tokens = torch.randint(0, 256, (2, 32))
-for _ in range(2):
-    loss = model(input_ids=tokens, labels=tokens).loss
-    (scaler.scale(loss) if scaler else loss).backward()
-    if scaler:
-        scaler.step(opt); scaler.update()
-    else:
-        opt.step()
-    opt.zero_grad()
-assert math.isfinite(loss.item())
-kind = type(model).__name__
-if dist.get_rank() == 0:
-    print("TRAINED", kind, CONFIG["fsdp_version"], loss.item(), flush=True)
-dist.barrier()
+# Each case: a folder holding an exported fsdp_config.py, applied to a fresh model as a user's script would.
+for i, folder in enumerate(sys.argv[1:]):
+    spec = importlib.util.spec_from_file_location(f"fsdp_config_{i}", os.path.join(folder, "fsdp_config.py"))
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=256))
+    model = export.apply_fsdp(model, device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = export.grad_scaler(torch.device("cpu"))
+    tokens = torch.randint(0, 256, (2, 32))
+    for _ in range(2):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.step(opt); scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    assert math.isfinite(loss.item())
+    if dist.get_rank() == 0:
+        print("TRAINED", folder, type(model).__name__, export.CONFIG["fsdp_version"], loss.item(), flush=True)
+    dist.barrier()
 # Skip interpreter teardown: gloo with FSDP1 sometimes aborts in its destructors
 # after training has finished, which would fail a run that did its work.
-import os
 os._exit(0)
 '''
 
@@ -238,19 +240,33 @@ def _torchrun(script: str, tmp_path, *args: str, env=None) -> subprocess.Complet
     )
 
 
-@pytest.mark.torchrun
-@pytest.mark.parametrize("name", ["fsdp1-full-layer-bf16-ac", "fsdp2-sgo-every-other"])
-def test_python_module_wraps_a_model_in_a_real_torchrun_job(name, tmp_path):
-    cfg = CONFIGS[name]
-    text, _ = render(export_doc(cfg), "python")
-    (tmp_path / "fsdp_config.py").write_text(text)
-    # A clean environment: the module must not need autotune.
+WRAPPED_BY_EXPORT = ["fsdp1-full-layer-bf16-ac", "fsdp2-sgo-every-other"]
+
+
+@pytest.fixture(scope="module")
+def trained_with_exports(tmp_path_factory) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Each case's exported module applied in one torchrun job (a job's start-up is most of its cost), in a clean
+    environment: the module must not need autotune. The TRAINED line of each case, and each module's text."""
+    root = tmp_path_factory.mktemp("exports")
+    texts = {}
+    for name in WRAPPED_BY_EXPORT:
+        texts[name], _ = render(export_doc(CONFIGS[name]), "python")
+        (root / name).mkdir()
+        (root / name / "fsdp_config.py").write_text(texts[name])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = _torchrun(TRAIN_WITH_EXPORT, tmp_path, str(tmp_path), env=env)
+    done = _torchrun(TRAIN_WITH_EXPORT, root, *(str(root / name) for name in WRAPPED_BY_EXPORT), env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "import autotune" not in text and "from autotune" not in text
-    line = next(l for l in done.stdout.splitlines() if l.startswith("TRAINED"))
-    assert line.split()[1] == ("FullyShardedDataParallel" if cfg.fsdp_version == 1 else "FSDPLlamaForCausalLM")
+    lines = {Path(line.split()[1]).name: line.split()[2:] for line in done.stdout.splitlines() if line.startswith("TRAINED")}
+    return lines, texts
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("name", WRAPPED_BY_EXPORT)
+def test_python_module_wraps_a_model_in_a_real_torchrun_job(name, trained_with_exports):
+    lines, texts = trained_with_exports
+    cfg = CONFIGS[name]
+    assert "import autotune" not in texts[name] and "from autotune" not in texts[name]
+    assert lines[name][0] == ("FullyShardedDataParallel" if cfg.fsdp_version == 1 else "FSDPLlamaForCausalLM")
 
 
 def test_python_module_is_the_workers_own_apply_steps():

@@ -49,7 +49,7 @@ def test_a_study_with_a_global_batch_keeps_the_tokens_of_every_optimizer_step(tm
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: [1, 2, 4, 3]\n")
     done = run_cli("run", "--mem-budget", "20GB", "--space", str(space), "--global-batch-size", "8", "--seq-len", str(SEQ),
-                   "--timed-steps", "3", "--trials", "4", "--confirm", "0", "--no-estimate", cwd=tmp_path)
+                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", "--no-estimate", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
     (name,) = optuna.get_all_study_names(storage)
