@@ -65,8 +65,12 @@ def test_three_tuners_on_two_hosts_measure_each_configuration_once(postgres, tmp
     trials = optuna.load_study(study_name="two-hosts", storage=postgres.url).trials
     assert all(t.state.is_finished() for t in trials), "a trial was left unfinished"
     launched = _launched(trials)
+    seen = [(t.number, t.state.name, t.user_attrs.get("status"), t.user_attrs.get("cause"), t.user_attrs.get("retry_of"),
+             t.user_attrs.get("runner", {}).get("host"), t.user_attrs.get("config", {}).get("sharding_strategy"),
+             t.user_attrs.get("config", {}).get("activation_checkpointing"), "confirmation_round" in t.user_attrs)
+            for t in trials]
     # The smoke space (4) and the baseline: five configurations, each measured once, by either host.
-    assert len(launched) == len(set(launched)) == 5, "a configuration was measured twice"
+    assert len(launched) == len(set(launched)) == 5, f"a configuration was measured twice: {seen}"
     hosts = {t.user_attrs["runner"]["host"] for t in trials if "runner" in t.user_attrs}
     assert hosts == {"host-a", "host-b"}
     # Each round of each configuration measured once; a round that failed (a crash, a timeout, a tuner taken for
