@@ -220,7 +220,7 @@ def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space
     import os
     import random
 
-    from autotune.launch.estimator_client import EstimatorClient
+    from autotune.launch.estimator_client import MAX_SIDE_BY_SIDE, EstimatorClient
     from autotune.launch.host import probe
     from autotune.outputs.estimate_table import estimate_rows, estimates_json, estimates_table
     from autotune.presets import choose_seq_len
@@ -244,8 +244,8 @@ def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space
                              exact=args.exact, lora=lora, forks=forks)
     progress = None if args.format == "json" else (
         lambda i, cfg: print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True))
-    # Forked fake steps run side by side, one to a core (a few hundred MB each); without the server, one at a time.
-    cores = tuple(sorted(os.sched_getaffinity(0)))[:16] if forks.ready() else ()
+    # Forked fake steps run side by side, one to a core; without the server, one at a time.
+    cores = tuple(sorted(os.sched_getaffinity(0)))[:MAX_SIDE_BY_SIDE] if forks.ready() else ()
     try:
         rows = estimate_rows(client.estimate, configs, margin, budget, progress, cores=cores)
     finally:

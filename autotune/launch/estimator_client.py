@@ -29,6 +29,9 @@ from autotune.launch.process_life import die_with_parent
 
 # How often a waiting estimate looks for a stop request from another thread.
 POLL_S = 0.25
+# Fake steps run side by side on at most this many cores: each holds the model's structure, not its
+# tensors, a few hundred MB.
+MAX_SIDE_BY_SIDE = 16
 
 
 class EstimatorClient:

@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune import interrupts
 from autotune.launch.devices import cpu_cores
+from autotune.launch.estimator_client import MAX_SIDE_BY_SIDE
 from autotune.launch.locks import quiet_lock_path
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
@@ -191,8 +192,8 @@ def estimate_cores(settings: RunSettings, host: HostInfo) -> Cores:
     else:
         busy = settings.world_size // settings.study.nnodes * max(1, len(settings.execution.slots)) + 1
         spare = tuple(cores[busy:])
-    # A fake step holds the model's structure, not its tensors: a few hundred MB each.
-    return Cores(idle=max(1, min(len(cores), 16)), spare=spare[:16], quiet=None if spare else str(quiet_lock_path()))
+    return Cores(idle=max(1, min(len(cores), MAX_SIDE_BY_SIDE)), spare=spare[:MAX_SIDE_BY_SIDE],
+                 quiet=None if spare else str(quiet_lock_path()))
 
 
 def runnable_classes(settings: RunSettings, host: HostInfo, model: ModelInfo) -> list[FsdpConfig]:
