@@ -50,6 +50,15 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has: only its exit status is left to collect)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 @pytest.fixture
 def cli(tmp_path):
     def call(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, process_running, run_cli
 
 pytestmark = pytest.mark.torchrun
 
@@ -40,10 +40,9 @@ def _tagged_processes(tag: str) -> list[int]:
             continue
         try:
             environ = Path(f"/proc/{entry}/environ").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if tag.encode() in environ and state != "Z":
+        if tag.encode() in environ and process_running(int(entry)):
             found.append(int(entry))
     return found
 

@@ -3,12 +3,12 @@
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 
 from autotune.config import FsdpConfig, TrialRequest
 from autotune.launch.launcher import launch_trial, process_tree
+from tests.conftest import process_running
 from tests.models import PID_DIR_VAR
 
 pytestmark = pytest.mark.torchrun
@@ -127,17 +127,8 @@ def test_timeout_kills_the_whole_job(tmp_path_factory, forks, forked, monkeypatc
     assert outcome.wall_s < 40
     ranks = [int(p.read_text()) for p in pid_dir.glob("rank-*.pid")]
     assert len(ranks) == 2, f"{len(ranks)} rank(s) reached the model before the timeout: nothing to check"
-    assert [pid for pid in ranks if _running(pid)] == [], "ranks outlived the killed trial"
+    assert [pid for pid in ranks if process_running(pid)] == [], "ranks outlived the killed trial"
     assert process_tree(os.getpid())[0] == os.getpid()
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not ended (a zombie has; only its exit status is left to collect)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_timing_stops_once_the_mean_is_known_and_never_before_three_steps(tmp_path_factory, forks):
