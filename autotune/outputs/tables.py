@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import Status
-from autotune.study.record import Attr, Cause, StudyAttr, is_feasible
+from autotune.study.record import Attr, Cause, is_feasible
 from autotune.units import format_bytes
 
 

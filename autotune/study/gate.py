@@ -31,7 +31,7 @@ from autotune.study.figures import FakeStepFigures
 from autotune.study.margin import Margin, calibrated_margin, fit_chance
 from autotune.study.memory_order import Witnesses
 from autotune.study.peak_model import PeakModel
-from autotune.study.record import Attr, measured_samples, set_constraint, trial_config
+from autotune.study.record import Attr, measured_samples, set_constraint
 from autotune.study.space import SearchSpace
 from autotune.units import format_bytes
 

@@ -66,7 +66,7 @@ class Stopper:
     def explain(self, reason: str) -> str:
         if reason == StopReason.SPACE_EXHAUSTED:
             excluded = len(self.search.excluded) if self.search is not None else 0
-            return (f"Every configuration of the space that can run here has been measured"
+            return ("Every configuration of the space that can run here has been measured"
                     + (f" or ruled out before launch ({excluded} predicted not to fit)" if excluded else "")
                     + f"; stopping after {self.counts.launched} of the {self.trials} launches asked for.")
         if reason == StopReason.SAME_CRASH:

@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autotune.config import RankMemory
 
-from autotune.stats import median_ci95, relative_ci95, relative_median_ci95  # noqa: F401 (re-exported)
+from autotune.stats import median_ci95
 
 
 def step_time_stats(times: list[float]) -> dict[str, float]:

@@ -29,7 +29,6 @@ def build_result(
     gathered: list = [None] * rank.world_size
     # Step times are already the slowest rank's, step by step (see train.measure).
     dist.all_gather_object(gathered, measurement.memory)
-    cfg = request.fsdp
     tokens_per_step = request.tokens_per_step(rank.world_size)
     import transformers
 
