@@ -93,7 +93,8 @@ def _needs_the_probe(args: list[str]) -> bool:
 @pytest.mark.parametrize("args, words", [
     pytest.param(a, w, marks=[pytest.mark.torchrun] if _needs_the_probe(a) else [], id=" ".join(a)[:60]) for a, w in CASES
 ])
-def test_bad_input_is_one_line_and_exit_2(workspace, args, words, monkeypatch, capsys):
+def test_bad_input_is_one_line_and_exit_2(workspace, args, words, monkeypatch, capsys, request):
+    from autotune.launch.forkserver import ENV_VAR
     from tests.conftest import REPO, cli_in_process, run_cli
 
     db = workspace / "studies" / "autotune.db"
@@ -108,6 +109,8 @@ def test_bad_input_is_one_line_and_exit_2(workspace, args, words, monkeypatch, c
     else:
         # Factories like tests.models:oom import in the probe's process too.
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        if _needs_the_probe(args):  # forked from the session's server, as a study's tests do (run_cli's forks)
+            monkeypatch.setenv(ENV_VAR, request.getfixturevalue("forks").socket_path)
         code, _, stderr = cli_in_process(args, workspace, monkeypatch, capsys)
     lines = stderr.strip().splitlines()
     assert code == 2, stderr

@@ -121,8 +121,8 @@ def test_a_deep_model_extrapolated_from_two_shallow_copies_matches_the_whole_ste
 
 
 @pytest.mark.torchrun
-def test_tight_budget_prunes_before_launching(tmp_path):
-    done = run_cli("run", "--mem-budget", "1MB", "--trials", "3", *FAST, cwd=tmp_path)
+def test_tight_budget_prunes_before_launching(tmp_path, forks):
+    done = run_cli("run", "--mem-budget", "1MB", "--trials", "3", *FAST, cwd=tmp_path, forks=forks)
     assert done.returncode == 1, done.stderr
     assert "No configuration fits in 1MB" in done.stdout and "smallest predicted peak was" in done.stdout
     trials_dir = tmp_path / "studies" / "llama-tiny-w2-s64-1MB" / "trials"
@@ -137,8 +137,8 @@ def test_tight_budget_prunes_before_launching(tmp_path):
     (["--model", "llama-404"], ["llama-404", "unknown preset"]),
     (["--nproc", "6", "--nnodes", "4"], ["--nproc 6", "--nnodes 4"]),
 ])
-def test_estimate_bad_input(tmp_path, args, words):
-    done = run_cli("estimate", "--mem-budget", "80GB", *args, cwd=tmp_path)
+def test_estimate_bad_input(tmp_path, args, words, forks):
+    done = run_cli("estimate", "--mem-budget", "80GB", *args, cwd=tmp_path, forks=forks)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and all(w in lines[0] for w in words)
@@ -175,12 +175,12 @@ def test_fp16_estimate_matches_a_real_fp16_trial(version, tmp_path, forks):
 
 
 @pytest.mark.torchrun
-def test_estimate_json_gives_every_row_a_peak(tmp_path):
+def test_estimate_json_gives_every_row_a_peak(tmp_path, forks):
     space = tmp_path / "space.yaml"
     # fp16 with offload, through the CLI; without offload, test_fp16_is_estimated_with_its_grad_scaler's four.
     space.write_text("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP]\n"
                      "mixed_precision: fp16\ncpu_offload: true\nmicro_batch_size: 1\n")
-    done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "-f", "json", cwd=tmp_path)
+    done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "-f", "json", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)["configurations"]
     assert len(rows) == 4

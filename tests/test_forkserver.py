@@ -85,3 +85,21 @@ def test_the_switch_turns_the_fork_server_off(monkeypatch):
     assert not forks.ready() and DISABLE_VAR in forks.error
     assert forks.env() == {}
     forks.close()
+
+
+def test_a_tuner_started_beside_a_running_server_forks_from_it_and_leaves_it_running(forks, tmp_path, monkeypatch):
+    from autotune.launch.forkserver import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, forks.socket_path)
+    shared = ForkServer()
+    assert shared.ready() and shared.socket_path == forks.socket_path and shared._proc is None
+    shared.close()  # not its server to stop
+    proc, out = _spawn(forks, "report", ["0"], env=dict(os.environ), cwd=str(tmp_path))
+    assert proc.wait(timeout=30) == 0 and json.loads(_read_all(out).strip().splitlines()[-1])
+    # A path whose server has ended is not used: the tuner starts a server of its own.
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "gone.sock"))
+    own = ForkServer()
+    try:
+        assert own.socket_path != str(tmp_path / "gone.sock") and own.ready(), own.error
+    finally:
+        own.close()

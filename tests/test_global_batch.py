@@ -45,11 +45,11 @@ def test_the_estimate_runs_the_accumulation_a_trial_runs(tmp_path_factory, forks
     assert predicted["peak_bytes"] == pytest.approx(measured.peak_memory_bytes, rel=0.03)
 
 
-def test_a_study_with_a_global_batch_keeps_the_tokens_of_every_optimizer_step(tmp_path):
+def test_a_study_with_a_global_batch_keeps_the_tokens_of_every_optimizer_step(tmp_path, forks):
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: [1, 2, 4, 3]\n")
     done = run_cli("run", "--mem-budget", "20GB", "--space", str(space), "--global-batch-size", "8", "--seq-len", str(SEQ),
-                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", "--no-estimate", cwd=tmp_path)
+                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", "--no-estimate", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr[-3000:]
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
     (name,) = optuna.get_all_study_names(storage)
@@ -65,5 +65,5 @@ def test_a_study_with_a_global_batch_keeps_the_tokens_of_every_optimizer_step(tm
     assert export.returncode == 0 and '"gradient_accumulation_steps"' in export.stdout
     # Resuming with another global batch is refused; the study is not changed.
     other = run_cli("run", "--mem-budget", "20GB", "--space", str(space), "--global-batch-size", "16", "--study-name", name,
-                    "--seq-len", str(SEQ), cwd=tmp_path)
+                    "--seq-len", str(SEQ), cwd=tmp_path, forks=forks)
     assert other.returncode == 2 and "global_batch_size=8" in other.stderr

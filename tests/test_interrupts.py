@@ -153,13 +153,13 @@ def test_estimate_stops_every_fake_step_it_runs_side_by_side(tmp_path):
     assert err.strip().splitlines()[-1] == "autotune estimate: interrupted by SIGINT"
 
 
-def test_the_rerun_measures_the_interrupted_configuration(tmp_path):
+def test_the_rerun_measures_the_interrupted_configuration(tmp_path, forks):
     tuner, tag = _start(tmp_path, *FAST, "--model", "tests.models:hang_once", "--no-estimate", "--trials", "1")
     _wait_for(tmp_path / "hang-once.marker", tuner)
     time.sleep(0.5)
     tuner.send_signal(signal.SIGTERM)
     _finish(tuner, tag, signal.SIGTERM)
-    again = run_cli("run", *FAST, "--model", "tests.models:hang_once", "--no-estimate", "--trials", "1", cwd=tmp_path)
+    again = run_cli("run", *FAST, "--model", "tests.models:hang_once", "--no-estimate", "--trials", "1", cwd=tmp_path, forks=forks)
     assert again.returncode == 0, again.stderr
     study = _study(tmp_path)
     retry = next(t for t in study.trials if t.user_attrs.get("retry_of") == 0)

@@ -133,15 +133,15 @@ LORA_SPACE = ("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: 
 
 
 @pytest.mark.torchrun
-def test_a_lora_study_runs_end_to_end_beside_the_full_one_and_never_resumes_it(tmp_path):
+def test_a_lora_study_runs_end_to_end_beside_the_full_one_and_never_resumes_it(tmp_path, forks):
     """Full training needs checkpointing or a micro batch of 1 under 40MB at seq 64; LoRA
     does not: the summary of the second study shows what moved."""
     (tmp_path / "space.yaml").write_text(LORA_SPACE)
     common = ["--mem-budget", "40MB", "--space", "space.yaml", "--seq-len", "64", "--trials", "3", "--confirm", "0",
               "--timed-steps", "3"]
-    full = run_cli("run", *common, cwd=tmp_path)
+    full = run_cli("run", *common, cwd=tmp_path, forks=forks)
     assert full.returncode == 0, full.stderr[-3000:]
-    lora = run_cli("run", *common, "--lora", "8", cwd=tmp_path)
+    lora = run_cli("run", *common, "--lora", "8", cwd=tmp_path, forks=forks)
     assert lora.returncode == 0, lora.stderr[-3000:]
     assert "LoRA rank 8 on peft default modules (base weights frozen)" in lora.stderr
     assert "Against the full fine-tune's answer on the same model" in lora.stdout, lora.stdout
@@ -157,7 +157,7 @@ def test_a_lora_study_runs_end_to_end_beside_the_full_one_and_never_resumes_it(t
     assert peft.returncode == 0 and json.loads(peft.stdout)["r"] == 8
     # A LoRA run never resumes the full study, even when named to.
     trials_before = len(optuna.load_study(study_name="llama-tiny-w2-s64-40MB", storage=storage).trials)
-    refused = run_cli("run", *common, "--lora", "8", "--study-name", "llama-tiny-w2-s64-40MB", cwd=tmp_path)
+    refused = run_cli("run", *common, "--lora", "8", "--study-name", "llama-tiny-w2-s64-40MB", cwd=tmp_path, forks=forks)
     assert refused.returncode == 2
     assert refused.stderr.strip().count("\n") == 0 and "was created with full training, not LoRA rank 8" in refused.stderr
     assert len(optuna.load_study(study_name="llama-tiny-w2-s64-40MB", storage=storage).trials) == trials_before

@@ -24,11 +24,13 @@ FAST = ["--mem-budget", "20GB", "--seq-len", "32", "--warmup-steps", "2", "--tim
         "--no-estimate"]
 
 
-def _tuner(url: str, study: str, host: str, root: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+def _tuner(url: str, study: str, host: str, root: Path, *extra: str, env: dict | None = None, forks=None
+           ) -> subprocess.Popen:
+    """A tuner on ``host``; with ``forks``, forking from the session's fork server (tests/conftest.py: run_cli)."""
     folder = root / host
     folder.mkdir(exist_ok=True)
     environ = {**os.environ, "PYTHONPATH": str(REPO), "AUTOTUNE_HOST_ID": host,
-               "AUTOTUNE_LOCK_DIR": str(folder / "locks"), **(env or {})}
+               "AUTOTUNE_LOCK_DIR": str(folder / "locks"), **(forks.env() if forks else {}), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "autotune", "run", "--storage", url, "--study-name", study,
                              *FAST, *extra], cwd=folder, env=environ, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -55,8 +57,8 @@ def _wait_for_running(url: str, study: str, timeout: float = 120) -> optuna.tria
     raise AssertionError("no trial started running")
 
 
-def test_three_tuners_on_two_hosts_measure_each_configuration_once(postgres, tmp_path):
-    tuners = [_tuner(postgres.url, "two-hosts", host, tmp_path, "--trials", "3", "--confirm", "1")
+def test_three_tuners_on_two_hosts_measure_each_configuration_once(postgres, tmp_path, forks):
+    tuners = [_tuner(postgres.url, "two-hosts", host, tmp_path, "--trials", "3", "--confirm", "1", forks=forks)
               for host in ("host-a", "host-a", "host-b")]
     outputs = [t.communicate(timeout=600) for t in tuners]
     for tuner, (_, err) in zip(tuners, outputs):
@@ -91,6 +93,8 @@ def test_a_tuner_killed_on_one_host_is_recovered_by_another_after_the_heartbeat_
     victim.wait()
     killed_at = time.monotonic()
     # host-b cannot see host-a's processes: only the heartbeat tells it host-a's tuner is gone.
+    # Its own fork server, as the victim had: one forked from the session's finishes both its trials inside the
+    # grace period, before the dead tuner's trial is due to be taken back.
     rescuer = _tuner(postgres.url, "kill-9", "host-b", tmp_path, "--trials", "2", "--confirm", "0", env=grace)
     _, err = rescuer.communicate(timeout=600)
     assert rescuer.returncode == 0, err[-3000:]
@@ -106,8 +110,8 @@ def test_a_tuner_killed_on_one_host_is_recovered_by_another_after_the_heartbeat_
     assert len(launched) == len(set(launched))
 
 
-def test_a_server_restart_mid_trial_loses_nothing_and_records_nothing_twice(postgres, tmp_path):
-    tuner = _tuner(postgres.url, "restart", "host-a", tmp_path, "--trials", "3", "--confirm", "0")
+def test_a_server_restart_mid_trial_loses_nothing_and_records_nothing_twice(postgres, tmp_path, forks):
+    tuner = _tuner(postgres.url, "restart", "host-a", tmp_path, "--trials", "3", "--confirm", "0", forks=forks)
     _wait_for_running(postgres.url, "restart")
     postgres.stop("fast")
     time.sleep(2)
@@ -124,9 +128,9 @@ def test_a_server_restart_mid_trial_loses_nothing_and_records_nothing_twice(post
     assert len(launched) == len(set(launched)) == len(trials) == 3
 
 
-def test_a_server_gone_past_the_limit_stops_the_run_in_one_line_and_the_rerun_resumes(postgres, tmp_path):
+def test_a_server_gone_past_the_limit_stops_the_run_in_one_line_and_the_rerun_resumes(postgres, tmp_path, forks):
     limit = {"AUTOTUNE_STORAGE_OUTAGE_S": "5"}
-    tuner = _tuner(postgres.url, "outage", "host-a", tmp_path, "--trials", "2", "--confirm", "0", env=limit)
+    tuner = _tuner(postgres.url, "outage", "host-a", tmp_path, "--trials", "2", "--confirm", "0", env=limit, forks=forks)
     _wait_for_running(postgres.url, "outage")
     postgres.stop("fast")
     try:
@@ -138,7 +142,7 @@ def test_a_server_gone_past_the_limit_stops_the_run_in_one_line_and_the_rerun_re
     (last,) = [line for line in err.splitlines() if "stopped:" in line]
     assert "unreachable" in last and "rerun the same command" in last and postgres.password not in err
 
-    again = _tuner(postgres.url, "outage", "host-a", tmp_path, "--trials", "2", "--confirm", "0", env=limit)
+    again = _tuner(postgres.url, "outage", "host-a", tmp_path, "--trials", "2", "--confirm", "0", env=limit, forks=forks)
     _, err = again.communicate(timeout=600)
     assert again.returncode == 0, err[-3000:]
     trials = optuna.load_study(study_name="outage", storage=postgres.url).trials

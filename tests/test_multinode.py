@@ -84,14 +84,14 @@ def test_a_node_lost_mid_trial_ends_it_at_once_and_leaves_nothing(tmp_path):
 
 
 @pytest.mark.torchrun
-def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_as_no_shard(tmp_path):
+def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_as_no_shard(tmp_path, forks):
     """Two nodes of one rank each: hybrid sharding's shard groups would hold one rank, so the space's
     HYBRID_SHARD is NO_SHARD (its 2-D mesh, two replicas of one-rank shards) and is launched as that."""
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
                      "micro_batch_size: 2\n")
     done = run_cli("run", "--mem-budget", "20GB", "--nnodes", "2", "--nproc", "1", "--space", str(space), "--seq-len", "64",
-                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", cwd=tmp_path)
+                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr[-3000:]
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
     (name,) = optuna.get_all_study_names(storage)

@@ -24,10 +24,10 @@ def _study(root: Path, name: str | None = None) -> optuna.Study:
     return optuna.load_study(study_name=name or names[0], storage=storage)
 
 
-def test_a_hung_trial_times_out_and_leaves_no_process(tmp_path):
+def test_a_hung_trial_times_out_and_leaves_no_process(tmp_path, forks):
     # The study going on after a timeout is tests/test_objective.py's; this is the real job being killed.
     done = run_cli("run", "--mem-budget", "20GB", "--model", "tests.models:hang", "--trials", "1",
-                   "--trial-timeout", "6", "--no-estimate", *FAST, cwd=tmp_path)
+                   "--trial-timeout", "6", "--no-estimate", *FAST, cwd=tmp_path, forks=forks)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     trials = _study(tmp_path).trials
@@ -40,7 +40,7 @@ def test_a_hung_trial_times_out_and_leaves_no_process(tmp_path):
     assert table.count("timeout") >= 1 and "no result within --trial-timeout 6s" in table
 
 
-def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path):
+def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path, forks):
     args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--model", "tests.models:hang_once",
             "--trials", "2", "--trial-timeout", "120", "--no-estimate", "--confirm", "0", *FAST]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -60,7 +60,7 @@ def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path):
     (stale,) = _study(tmp_path).trials
     assert stale.state == TrialState.RUNNING
 
-    done = run_cli(*args[3:], cwd=tmp_path)
+    done = run_cli(*args[3:], cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr
     assert "left RUNNING by a tuner that died" in done.stderr
     trials = _study(tmp_path).trials
@@ -70,9 +70,9 @@ def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path):
     assert retry.user_attrs["config"] == trials[0].user_attrs["config"]
 
 
-def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path):
+def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path, forks):
     args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--trials", "3", "--confirm", "0", "--no-estimate", *FAST]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **forks.env()}
     tuners = [subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(3)]
     outputs = [t.communicate(timeout=600) for t in tuners]
@@ -96,9 +96,9 @@ def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path):
     assert reported == len(launched)
 
 
-def test_device_slots_run_trials_side_by_side(tmp_path):
+def test_device_slots_run_trials_side_by_side(tmp_path, forks):
     done = run_cli("run", "--mem-budget", "20GB", "--nproc", "1", "--devices", "0", "--devices", "1",
-                   "--trials", "4", "--confirm", "0", "--no-estimate", *FAST, cwd=tmp_path)
+                   "--trials", "4", "--confirm", "0", "--no-estimate", *FAST, cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr
     launched = [t for t in _study(tmp_path, "llama-tiny-w1-s32-20GB").trials
                 if "started_at" in t.user_attrs and "reused_from" not in t.user_attrs]

@@ -42,11 +42,11 @@ def test_a_missing_driver_is_one_line_naming_the_extra_without_the_password(tmp_
 
 
 @pytest.mark.torchrun
-def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_path, monkeypatch, capsys, caplog):
+def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_path, monkeypatch, capsys, caplog, forks):
     url, password = postgres.url, postgres.password
     seen = []
     run = run_cli("run", "--mem-budget", "20GB", "--storage", url, "--study-name", "secrets", "--space", "smoke",
-                  "--trials", "2", "--seq-len", "32", "--timed-steps", "2", "--confirm", "1", cwd=tmp_path)
+                  "--trials", "2", "--seq-len", "32", "--timed-steps", "2", "--confirm", "1", cwd=tmp_path, forks=forks)
     assert run.returncode == 0, run.stderr[-3000:]
     seen += [run.stdout, run.stderr]
     assert "***@127.0.0.1" in run.stderr  # the run says where the study is, masked

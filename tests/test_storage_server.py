@@ -55,7 +55,7 @@ def test_the_study_lock_holds_across_processes_and_dies_with_its_holder(postgres
     engine.dispose()
 
 
-def test_a_server_unreachable_at_the_start_is_one_line_and_exit_2(tmp_path):
+def test_a_server_unreachable_at_the_start_is_one_line_and_exit_2(tmp_path, forks):
     # A wrong host, port or password is a URL to fix, not an outage to wait out
     # (a server lost mid-run is retried: tests/test_many_hosts.py).
     with socket.socket() as s:
@@ -64,7 +64,7 @@ def test_a_server_unreachable_at_the_start_is_one_line_and_exit_2(tmp_path):
     url = f"postgresql+psycopg://tuner:hunter2-secret@127.0.0.1:{port}/autotune"
     started = time.monotonic()
     for args in (["trials"], ["run", "--mem-budget", "20GB", "--space", "smoke"]):
-        done = run_cli(*args, "--storage", url, cwd=tmp_path)
+        done = run_cli(*args, "--storage", url, cwd=tmp_path, forks=forks)
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr

@@ -16,11 +16,11 @@ RUN = ["run", "--mem-budget", "20GB", "--space", "smoke", "--trials", "6", "--se
 
 
 @pytest.fixture(scope="module")
-def study_run(tmp_path_factory):
+def study_run(tmp_path_factory, forks):
     from tests.conftest import run_cli
 
     root = tmp_path_factory.mktemp("e2e")
-    first = run_cli(*RUN, cwd=root)
+    first = run_cli(*RUN, cwd=root, forks=forks)
     return root, first
 
 
@@ -77,7 +77,7 @@ def test_sqlite_holds_states_attrs_and_constraints(study_run):
     assert rows[0] == len(complete)
 
 
-def test_export_json_reproduces_on_a_worker(study_run):
+def test_export_json_reproduces_on_a_worker(study_run, forks):
     from tests.conftest import run_cli
 
     root, _ = study_run
@@ -101,7 +101,7 @@ def test_export_json_reproduces_on_a_worker(study_run):
     assert doc["environment"]["torch_version"].startswith("2.")
     assert json.loads((root / "studies" / study.study_name / "best_config.json").read_text())["fsdp"] == doc["fsdp"]
 
-    again = run_cli("measure", "best.json", "--output-dir", "remeasure", cwd=root)
+    again = run_cli("measure", "best.json", "--output-dir", "remeasure", cwd=root, forks=forks)
     assert again.returncode == 0, again.stderr + again.stdout
     result = json.loads(again.stdout)
     assert result["status"] == "ok"
@@ -155,25 +155,25 @@ def test_the_confirmation_round_re_measures_finalists_and_references_in_interlea
                                          if t.user_attrs.get("baseline"))
 
 
-def test_rerun_resumes_without_measuring_again(study_run):
+def test_rerun_resumes_without_measuring_again(study_run, forks):
     from tests.conftest import run_cli
 
     root, _ = study_run
     before = len(list((root / "studies" / "llama-tiny-w2-s128-20GB" / "trials").iterdir()))
-    done = run_cli(*RUN, cwd=root)
+    done = run_cli(*RUN, cwd=root, forks=forks)
     assert done.returncode == 0, done.stderr
     after = len(list((root / "studies" / "llama-tiny-w2-s128-20GB" / "trials").iterdir()))
     assert after == before, "a finished configuration was launched again"
     assert "0 trials launched" in done.stdout
 
 
-def test_nothing_fits_a_one_megabyte_budget(tmp_path):
+def test_nothing_fits_a_one_megabyte_budget(tmp_path, forks):
     from tests.conftest import run_cli
 
     # Launched anyway (--no-estimate), so the message is about measured peaks;
     # tests/test_estimate.py covers the same budget with the estimate on.
     done = run_cli("run", "--mem-budget", "1MB", "--space", "smoke", "--trials", "1", "--seq-len", "64",
-                   "--warmup-steps", "2", "--timed-steps", "2", "--no-estimate", cwd=tmp_path)
+                   "--warmup-steps", "2", "--timed-steps", "2", "--no-estimate", cwd=tmp_path, forks=forks)
     assert done.returncode == 1, done.stderr
     assert "No configuration fits in 1MB" in done.stdout
     assert "smallest peak seen was" in done.stdout

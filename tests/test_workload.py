@@ -85,13 +85,13 @@ def test_the_experts_are_sharded_inside_each_decoder_layers_unit(mixtral_config)
     assert report["expert_units"] == ["MixtralDecoderLayer"]
 
 
-def test_a_mixture_of_experts_model_tunes_with_its_experts_inside_each_unit(mixtral_config, tmp_path):
+def test_a_mixture_of_experts_model_tunes_with_its_experts_inside_each_unit(mixtral_config, tmp_path, forks):
     from tests.conftest import run_cli
 
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: [1, 2]\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: 2\n")
     done = run_cli("run", "--mem-budget", "20GB", "--model", str(mixtral_config), "--space", str(space), "--seq-len", "64",
-                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", cwd=tmp_path)
+                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr[-3000:]
     trials = json.loads(run_cli("trials", "-f", "json", cwd=tmp_path).stdout)["trials"]
     measured = [t for t in trials if t["outcome"] == "ok"]

@@ -169,16 +169,24 @@ class ForkServer:
 
     def __init__(self, model: str | None = None) -> None:
         # ``model``: whose code the server imports too (a preset, config.json or module:function).
-        self._dir = tempfile.mkdtemp(prefix="autotune-fork-")
-        self.socket_path = os.path.join(self._dir, "sock")
+        self._dir: str | None = None
         self.error: str | None = None
         self._ready: bool | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         if os.environ.get(DISABLE_VAR, "") not in ("", "0"):
             # A switch for comparing against, or for ruling out, the fork server.
-            self._ready, self.error = False, f"{DISABLE_VAR} is set"
+            self._ready, self.error, self.socket_path = False, f"{DISABLE_VAR} is set", ""
             return
+        shared = os.environ.get(ENV_VAR, "")
+        if shared and _answers(shared):
+            # A server already running in this environment (the test suite keeps one per worker): forking from it
+            # spares this tuner the imports. It is not ours to stop, and it has not imported ``model``'s code, so
+            # each rank imports that itself.
+            self.socket_path, self._ready = shared, True
+            return
+        self._dir = tempfile.mkdtemp(prefix="autotune-fork-")
+        self.socket_path = os.path.join(self._dir, "sock")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "autotune.worker.preload", self.socket_path, *([model] if model else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -223,7 +231,20 @@ class ForkServer:
                 except (subprocess.TimeoutExpired, OSError):
                     self._proc.kill()
                     self._proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _answers(socket_path: str) -> bool:
+    """Whether a fork server listens at ``socket_path`` (a stale path from a server that has ended does not)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(socket_path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 # -- server side -------------------------------------------------------------
