@@ -55,6 +55,34 @@ def test_the_study_lock_holds_across_processes_and_dies_with_its_holder(postgres
     engine.dispose()
 
 
+def test_a_studys_own_mutex_is_the_database_lock_another_host_holds(postgres, tmp_path):
+    # The runner builds the mutex from the study that optuna.load_study returns: its storage wraps the
+    # database's in a cache with no engine of its own. Read naively, each host fell back to a lock file of
+    # its own, and two hosts queued the same confirmation rounds (tests/test_many_hosts.py).
+    import optuna
+
+    from autotune.study.mutex import study_mutex
+    from autotune.study.storage import open_storage
+
+    optuna.create_study(study_name="x", storage=postgres.url)
+    study = optuna.load_study(study_name="x", storage=open_storage(postgres.url, heartbeat=True))
+    holder = _holder(postgres.url)
+    assert holder.stdout.readline().strip() == "held"
+    got = threading.Event()
+
+    def take() -> None:
+        with study_mutex(study, tmp_path / "claims.lock")():
+            got.set()
+
+    waiter = threading.Thread(target=take, daemon=True)
+    waiter.start()
+    assert not got.wait(2), "a tuner entered the study's critical section while another host held it"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert got.wait(10), "the study's mutex never came free"
+    waiter.join(5)
+
+
 def test_a_server_unreachable_at_the_start_is_one_line_and_exit_2(tmp_path, forks):
     # A wrong host, port or password is a URL to fix, not an outage to wait out
     # (a server lost mid-run is retried: tests/test_many_hosts.py).

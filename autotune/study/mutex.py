@@ -17,8 +17,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
+import optuna
+
 from autotune import interrupts
 from autotune.launch.locks import exclusive
+from autotune.study.optuna_internals import storage_engine
 from autotune.study.outages import retry_connection_loss
 
 # Seconds between tries of a lock another tuner holds: polling, not a blocking
@@ -79,7 +82,7 @@ def database_lock(engine: Any, name: str, fallback: Path, patient: bool = True) 
         conn.close()
 
 
-def study_mutex(storage: Any, study_name: str, fallback: Path) -> Callable[[], ContextManager[None]]:
-    """The critical section of ``study_name``: call it to get a ``with`` block."""
-    engine = getattr(storage, "engine", None)
-    return lambda: database_lock(engine, f"study:{study_name}", fallback)
+def study_mutex(study: optuna.Study, fallback: Path) -> Callable[[], ContextManager[None]]:
+    """The critical section of ``study``: call it to get a ``with`` block."""
+    engine = storage_engine(study)
+    return lambda: database_lock(engine, f"study:{study.study_name}", fallback)

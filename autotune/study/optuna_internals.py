@@ -19,6 +19,13 @@ def storage_of(study: optuna.Study) -> Any:
     return study._storage
 
 
+def storage_engine(study: optuna.Study) -> Any | None:
+    """The SQLAlchemy engine of the study's database, or None (in memory, a journal file).
+    ``load_study`` wraps an ``RDBStorage`` in a ``_CachedStorage`` (``_backend``), which has no engine of its own."""
+    storage = storage_of(study)
+    return getattr(storage, "engine", None) or getattr(getattr(storage, "_backend", None), "engine", None)
+
+
 def trial_id(trial: Any) -> int:
     """The storage id of a live or frozen trial (``_trial_id``)."""
     return trial._trial_id

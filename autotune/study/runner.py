@@ -36,7 +36,6 @@ from autotune.study.claims import Claims, recover_stale_trials, settle_interrupt
 from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate
 from autotune.study.settings import RunSettings, check_resumable, load_or_create_study, make_sampler
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed, topology_of
-from autotune.study.optuna_internals import storage_of
 from autotune.study.record import StudyAttr
 from autotune.study.progress import Reporter
 from autotune.study.search import ModelSearch, held_keys, host_priors
@@ -172,7 +171,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
         search = ModelSearch(candidates, model.layer_classes, gate, priors, seed=settings.search.seed,
                              use_frontier=settings.search.seed_frontier, say=reporter.say)
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
-                          gate=gate, claims=Claims(study, study_mutex(storage_of(study), settings.study.name, folder / "claims.lock"),
+                          gate=gate, claims=Claims(study, study_mutex(study, folder / "claims.lock"),
                                         settings.execution.trial_timeout_s + 60),
                           reporter=reporter, folder=folder, search=search,
                           sampler=sampler if search is not None else None)
