@@ -102,7 +102,11 @@ def test_a_tuner_killed_on_one_host_is_recovered_by_another_after_the_heartbeat_
     dead = trials[stale.number]
     assert dead.state == TrialState.FAIL and dead.user_attrs["cause"] == "tuner died"
     retry = next(t for t in trials if t.user_attrs.get("retry_of") == stale.number)
-    assert retry.state == TrialState.COMPLETE and retry.user_attrs["runner"]["host"] == "host-b"
+    # Measured, or stopped early as hopeless against the other trial (a measurement too: it happened under load).
+    assert (retry.state == TrialState.COMPLETE and "tokens_per_s" in retry.user_attrs
+            or retry.state == TrialState.PRUNED and "tokens_per_s_partial" in retry.user_attrs), \
+        (retry.state, retry.user_attrs.get("status"), retry.user_attrs.get("error"))
+    assert retry.user_attrs["runner"]["host"] == "host-b"
     assert retry.user_attrs["config"] == dead.user_attrs["config"]
     assert retry.datetime_start.timestamp() - dead.datetime_start.timestamp() >= 6, "recovered before the grace period"
     assert time.monotonic() - killed_at < 300

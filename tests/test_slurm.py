@@ -77,7 +77,7 @@ def test_autotune_run_inside_an_allocation_uses_slurm_for_two_nodes(slurm, tmp_p
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
                      "micro_batch_size: 2\n")
     done = _in_allocation(slurm, tmp_path, sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--nnodes", "2",
-                          "--nproc", "1", "--space", str(space), "--seq-len", "64", "--timed-steps", "3", "--trials", "2",
+                          "--nproc", "1", "--space", str(space), "--seq-len", "64", "--timed-steps", "3", "--trials", "1",
                           "--confirm", "0", "--no-estimate", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
