@@ -135,11 +135,14 @@ def test_the_classes_rest_on_measurement(tmp_path, forks):
     for i, (claim, simplest, other) in enumerate(MEASURED_CLAIMS):
         assert canonical(other, TWO_RANKS) == simplest, claim
         (peaks, loss), (other_peaks, other_loss) = measure(simplest, f"{i}a"), measure(other, f"{i}b")
-        if peaks != other_peaks:
+        for retry in range(3):
+            if peaks == other_peaks:
+                break
             # FSDP1 on gloo now and then holds one more bf16 shard at one rank's peak (3,688,704 B at llama-tiny,
-            # 1 run in 8 with either member, the same config otherwise byte-equal): the pair is measured again
-            # and each rank's lower peak is its program's.
-            again, other_again = measure(simplest, f"{i}a2")[0], measure(other, f"{i}b2")[0]
+            # 1 run in 8 with either member, the same config otherwise byte-equal; in one suite run on 2 busy
+            # cores, twice in a row with the same member): the pair is measured again, up to three times, and each
+            # rank's lowest peak is its program's. The noise only adds, so a real difference stays one.
+            again, other_again = measure(simplest, f"{i}a{retry + 2}")[0], measure(other, f"{i}b{retry + 2}")[0]
             peaks, other_peaks = list(map(min, peaks, again)), list(map(min, other_peaks, other_again))
         assert loss == other_loss, claim
         if "leaner" in claim:
