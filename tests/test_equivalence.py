@@ -135,17 +135,19 @@ def test_the_classes_rest_on_measurement(tmp_path, forks):
     for i, (claim, simplest, other) in enumerate(MEASURED_CLAIMS):
         assert canonical(other, TWO_RANKS) == simplest, claim
         (peaks, loss), (other_peaks, other_loss) = measure(simplest, f"{i}a"), measure(other, f"{i}b")
-        for retry in range(3):
+        leaner = "leaner" in claim
+        # FSDP1 on gloo now and then holds one more bf16 shard at one rank's peak (3,688,704 B at llama-tiny,
+        # 1 run in 8 with either member, the same config otherwise byte-equal; in one suite run on 2 busy cores,
+        # twice in a row with the same member): a pair claimed byte-equal is measured again, up to three times,
+        # and each rank's lowest peak is its program's. The noise only adds, so a real difference stays one.
+        # The leaner pair differs by design (compared within 3% below): one more measurement, as it always had.
+        for retry in range(1 if leaner else 3):
             if peaks == other_peaks:
                 break
-            # FSDP1 on gloo now and then holds one more bf16 shard at one rank's peak (3,688,704 B at llama-tiny,
-            # 1 run in 8 with either member, the same config otherwise byte-equal; in one suite run on 2 busy
-            # cores, twice in a row with the same member): the pair is measured again, up to three times, and each
-            # rank's lowest peak is its program's. The noise only adds, so a real difference stays one.
             again, other_again = measure(simplest, f"{i}a{retry + 2}")[0], measure(other, f"{i}b{retry + 2}")[0]
             peaks, other_peaks = list(map(min, peaks, again)), list(map(min, other_peaks, other_again))
         assert loss == other_loss, claim
-        if "leaner" in claim:
+        if leaner:
             # FSDP2's peaks move from run to run as its asynchronous frees land: FULL_SHARD at seq 64 held 614,400 B
             # more on one rank in 4 runs of 5 beside a busy core (46,711,732 against 46,097,332), and one suite run
             # on 2 busy cores went past 2% (one such step is 1.3%): 3% leaves room for two.
