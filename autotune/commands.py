@@ -83,6 +83,17 @@ def choose_launcher(asked: str, nnodes: int) -> str:
     return "slurm" if nnodes > 1 and slurm_allocation() is not None else "local"
 
 
+def _check_budget_fits_device(text: str, budget: int, host: Any) -> None:
+    """A per-GPU budget above the GPU's memory is a typo or a unit mistake (80GiB
+    on a card of 80 GB is 74.5 GiB): on CUDA the budget is a cap on the device."""
+    from autotune.units import format_bytes
+
+    size = host.device_memory_bytes
+    if host.device_type == "cuda" and size and budget > size:
+        raise UsageError(f"--mem-budget {text} is more than the {format_bytes(size)} that {host.device_name} holds; "
+                         f"give at most {format_bytes(size).replace(' ', '')} (GB is 10^9 bytes, GiB 2^30)")
+
+
 def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any, Any]:
     """Check every flag of ``autotune run`` (the host probe included, forked from
     ``forks`` when it is ready) and return (settings, host, model)."""
@@ -101,6 +112,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     lora = lora_spec(args)
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
     host, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class), nproc=args.nproc, forks=forks)
+    _check_budget_fits_device(args.mem_budget, budget, host)
     nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
     timed_steps, timing_budget = timing_defaults(host.device_type)
     launcher = choose_launcher(args.launcher, args.nnodes)
@@ -371,7 +383,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     host, _ = host_probe.probe(request.model, request.fsdp.transformer_layer_cls)
     _check_nproc(nproc, host)
     # Held like a trial's: a tuner on this host does not time its trials meanwhile.
-    with device_slot(host.device_type, [tuple(range(host.device_count))]) as slot:
+    with device_slot(host.device_type, [tuple(range(host.device_count))], names=host.device_uuids) as slot:
         outcome = launcher.launch_trial(request, trial_dir, nproc, args.trial_timeout, host.device_type, devices=slot)
     result = outcome.result
     print(json.dumps({"status": result.status, "tokens_per_s": result.tokens_per_s, "peak_memory_bytes": result.peak_memory_bytes,

@@ -378,10 +378,11 @@ CUDA_TIMING_BUDGET_S = 8.0
 def timing_defaults(device_type: str) -> tuple[int, float | None]:
     """(most timed steps, most seconds of them) for trials on ``device_type``."""
     return (CUDA_TIMED_STEPS, CUDA_TIMING_BUDGET_S) if device_type == "cuda" else (DEFAULT_TIMED_STEPS, None)
-# The first warm-up step (optimizer state allocated, caches cold) runs at
-# most about 1.5x a timed step's time here; a first step this many times below
+# On CPU the first warm-up step (optimizer state allocated, caches cold) runs
+# at most about 1.5x a timed step's time; a first step this many times below
 # the abort threshold already shows the trial is hopeless (fp16 on a CPU
-# without fp16 units: 20x), and the rest of its warm-up is not worth waiting for.
+# without fp16 units: 20x), and the rest of its warm-up is not worth waiting
+# for. Not on CUDA, where the first step ran 8.3x (autotune.worker.train.first_step_judges).
 WARMUP_ABORT_SLACK = 4.0
 
 
@@ -492,6 +493,11 @@ class RankMemory:
     outside_allocator: int | None = None
     # CUDA: times the allocator, at its cap, freed its cached blocks and retried.
     alloc_retries: int | None = None
+    # CUDA, capped: the cap, and memory outside the allocator that appeared after
+    # it was last set (``outside_allocator`` is what the cap left room for): 0
+    # when the cap emulated a GPU of the budget's size exactly.
+    cap_bytes: int | None = None
+    outside_growth: int | None = None
 
     @property
     def tensor_peak(self) -> int | None:

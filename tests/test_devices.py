@@ -41,12 +41,14 @@ def test_cpu_slots_count_within_the_tuners_affinity():
 
 
 def test_tuners_with_different_masks_lock_the_same_physical_gpu(tmp_path, monkeypatch):
+    """Without the probe's UUIDs, the mask's entries name the locks (tests/test_cuda_path.py: with them, a UUID
+    and an index name one lock too)."""
     monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(tmp_path))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    held = _try_slot("cuda", (1,))  # GPU 5
+    held = _try_slot("cuda", (1,), None)  # GPU 5
     assert held is not None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,6")
-    assert _try_slot("cuda", (0,)) is None, "GPU 5 under another mask was not seen as taken"
-    other = _try_slot("cuda", (1,))  # GPU 6 is free
+    assert _try_slot("cuda", (0,), None) is None, "GPU 5 under another mask was not seen as taken"
+    other = _try_slot("cuda", (1,), None)  # GPU 6 is free
     assert other is not None
     assert device_lock_name("cuda", "GPU-8f1c/x").endswith("-cuda-GPU-8f1c_x.lock")

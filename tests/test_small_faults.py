@@ -97,7 +97,7 @@ def test_measure_uses_the_hosts_device_and_holds_its_slot(tmp_path, monkeypatch)
     seen = {}
 
     def launch(request, trial_dir, nproc, timeout_s, device_type, devices=None, forks=None):
-        seen.update(device_type=device_type, devices=devices, free=_try_slot(device_type, devices) is not None)
+        seen.update(device_type=device_type, devices=devices, free=_try_slot(device_type, devices, None) is not None)
         return autotune.launch.launcher.LaunchOutcome(TrialResult(status="ok", tokens_per_s=1.0), 1.0, tmp_path / "log", tmp_path)
 
     monkeypatch.setattr(autotune.launch.launcher, "launch_trial", launch)

@@ -56,6 +56,8 @@ class HostInfo:
     # Tokens per step -> the device's speed on a block's matmul relative to its
     # best (see autotune.worker.probe.saturation_curve); None when not measured.
     saturation: dict[int, float] | None = None
+    # Each visible GPU's UUID, by index: what device locks are named after.
+    device_uuids: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # Read back from JSON (a study's record, a benchmark table), the curve's keys are strings.
@@ -63,6 +65,8 @@ class HostInfo:
             object.__setattr__(self, "saturation", {int(k): float(v) for k, v in self.saturation.items()})
         if self.cuda_capability is not None:
             object.__setattr__(self, "cuda_capability", tuple(self.cuda_capability))
+        if self.device_uuids is not None:
+            object.__setattr__(self, "device_uuids", tuple(self.device_uuids))
 
     @property
     def device_count(self) -> int:

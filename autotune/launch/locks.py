@@ -2,8 +2,8 @@
 
 Timings are only honest when no other trial shares the devices, including
 trials of other ``autotune run`` processes on the same host. Each physical
-device (GPU index or UUID, whatever mask each tuner runs under, or CPU core)
-has a lock file; a trial takes every device of its slot,
+device (a GPU by its UUID, whatever mask each tuner runs under and however
+it spells the GPU, or a CPU core) has a lock file; a trial takes every device of its slot,
 all or none, so slots that overlap can never run together. The locks are
 ``flock`` locks: the kernel drops them when the holder dies, even by SIGKILL,
 so a killed tuner never leaves a device locked.
@@ -18,7 +18,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from autotune import interrupts
 from autotune.launch.devices import physical_ids
@@ -54,10 +54,20 @@ def device_lock_name(device_type: str, physical_id: str) -> str:
     return f"{socket.gethostname()}-{device_type}-{safe}.lock"
 
 
-def _try_slot(device_type: str, devices: tuple[int, ...]) -> list[int] | None:
+def lock_ids(device_type: str, devices: tuple[int, ...], names: Sequence[str] | None = None) -> tuple[str, ...]:
+    """What the locks of a slot's devices are named after: each GPU's UUID where
+    the probe reported them (``names``, by index), so that an index, a UUID and
+    a MIG name in two tuners' masks lock one device alike; else the physical
+    ids the mask gives (cores on a CPU host)."""
+    if names:
+        return tuple(names[index] for index in devices)
+    return physical_ids(device_type, devices)
+
+
+def _try_slot(device_type: str, devices: tuple[int, ...], names: Sequence[str] | None) -> list[int] | None:
     held: list[int] = []
     # A fixed order keeps two holders of overlapping slots from deadlocking.
-    for physical_id in sorted(physical_ids(device_type, devices)):
+    for physical_id in sorted(lock_ids(device_type, devices, names)):
         fd = _try_lock(lock_dir() / device_lock_name(device_type, physical_id))
         if fd is None:
             _release(held)
@@ -68,13 +78,15 @@ def _try_slot(device_type: str, devices: tuple[int, ...]) -> list[int] | None:
 
 @contextmanager
 def device_slot(
-    device_type: str, slots: list[tuple[int, ...]], on_wait: Callable[[], None] | None = None
+    device_type: str, slots: list[tuple[int, ...]], on_wait: Callable[[], None] | None = None,
+    names: Sequence[str] | None = None,
 ) -> Iterator[tuple[int, ...]]:
-    """Hold the first free slot of ``slots`` while the block runs; wait for one if none is free."""
+    """Hold the first free slot of ``slots`` while the block runs; wait for one if
+    none is free. ``names``: the UUID of each GPU index (see :func:`lock_ids`)."""
     waited = False
     while True:
         for slot in slots:
-            held = _try_slot(device_type, slot)
+            held = _try_slot(device_type, slot, names)
             if held is not None:
                 try:
                     yield slot

@@ -211,7 +211,7 @@ class Objective:
         # Every trial holds its devices: other tuners on this host wait their turn.
         slots = list(self.settings.execution.slots) or [tuple(range(self.host.device_count))]
         waiting = lambda: self._line(trial, cfg, "waiting for a free device slot")  # noqa: E731
-        with device_slot(self.host.device_type, slots, on_wait=waiting) as slot:
+        with device_slot(self.host.device_type, slots, on_wait=waiting, names=self.host.device_uuids) as slot:
             trial.set_user_attr(Attr.DEVICES, list(slot))
             outcome = self.launch(request, trial_dir, slot)
         with self._lock:

@@ -16,12 +16,14 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autotune.config import Status, TrialRequest, load_request, write_json_atomic
 from autotune.worker.failures import is_out_of_memory
+from autotune.worker.measure import cap_in_force
 from autotune.worker.result import build_result
 from autotune.launch.process_life import die_with_parent
 from autotune.worker.runtime import init_distributed
@@ -33,7 +35,6 @@ warnings.filterwarnings("ignore", message="DTensor random operators may not have
 
 def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> None:
     from autotune.worker.fsdp import build_mesh, parallelize
-    from autotune.worker.measure import cap_allocator
     from autotune.worker.models import build_model
     from autotune.worker.train import measure
 
@@ -44,10 +45,7 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
     torch.manual_seed(request.seed)
     mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes,
                       request.fsdp.shard_group_size)
-    cap = None
-    if rank.device.type == "cuda" and request.memory_budget_bytes is not None:
-        # Before the model exists: the budget, less what lies outside the allocator, is all it may use.
-        cap = _CAP["cap"] = cap_allocator(request.memory_budget_bytes, rank.device, [None, *mesh_groups(mesh)])
+    cap_device(request, rank, mesh)
 
     start = time.perf_counter()
     built = build_model(request.model, request.fsdp.transformer_layer_cls, lora=request.lora)
@@ -68,8 +66,6 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
     start = time.perf_counter()
     result = build_result(request, rank, measurement, num_params, phases, tuple(mesh.shape))
     result.trainable_params, result.lora_target_modules = trainable, built.lora_targets
-    if cap is not None:
-        result.memory_cap_bytes = cap.cap_bytes
     if rank.is_main:
         result.phases["report_s"] = time.perf_counter() - start
         write_json_atomic(trial_dir / "result.json", result.to_dict())
@@ -77,13 +73,19 @@ def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> No
     dist.destroy_process_group()
 
 
-# This rank's allocator cap once set, for the failure record of a trial out of memory under it.
-_CAP: dict = {}
+def cap_device(request: TrialRequest, rank: Any, mesh: Any) -> None:
+    """On CUDA with a budget, before the model exists: bring up what lives
+    outside the allocator (cuBLAS, the NCCL communicators the trial will use),
+    then cap the allocator at the budget less all that."""
+    if rank.device.type != "cuda" or request.memory_budget_bytes is None:
+        return
+    from autotune.worker.fsdp import PRECISION_DTYPES
+    from autotune.worker.measure import cap_allocator, warm_outside_allocator
+    from autotune.worker.runtime import groups_in_use
 
-
-def mesh_groups(mesh) -> list:
-    """Every process group of the mesh's dimensions (one for a 1-D mesh)."""
-    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    dtypes = {torch.float32, *(PRECISION_DTYPES[request.fsdp.mixed_precision] or ())}
+    warm_outside_allocator(rank.device, groups_in_use(request.fsdp, mesh), dtypes)
+    cap_allocator(request.memory_budget_bytes, rank.device)
 
 
 def _failure_record(exc: BaseException, rank: int) -> dict:
@@ -96,16 +98,26 @@ def _failure_record(exc: BaseException, rank: int) -> dict:
         "error": f"{type(exc).__name__}: {exc}"[:2000],
         "traceback": traceback.format_exc()[-8000:],
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # How far it got: the figure an out-of-memory trial reached under its cap.
-        device = torch.cuda.current_device()
-        free, total = torch.cuda.mem_get_info(device)
-        record["peak_reserved"] = torch.cuda.max_memory_reserved(device)
-        record["peak_allocated"] = torch.cuda.max_memory_allocated(device)
-        record["outside_allocator"] = max(0, total - free - torch.cuda.memory_reserved(device))
-        if "cap" in _CAP:
-            record["cap_bytes"] = _CAP["cap"].cap_bytes
+    try:
+        record.update(_device_figures())
+    except Exception as state:  # noqa: BLE001 - a sticky CUDA error fails every later call: keep the cause
+        record["device_state"] = f"{type(state).__name__}: {state}".splitlines()[0][:500]
     return record
+
+
+def _device_figures() -> dict:
+    """How far it got: the figure an out-of-memory trial reached under its cap."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    from autotune.worker.measure import cap_in_force, outside_allocator
+
+    device = torch.cuda.current_device()
+    figures = {"peak_reserved": torch.cuda.max_memory_reserved(device),
+               "peak_allocated": torch.cuda.max_memory_allocated(device),
+               "outside_allocator": outside_allocator(torch.device("cuda", device))}
+    if cap_in_force() is not None:
+        figures["cap_bytes"] = cap_in_force().cap_bytes
+    return figures
 
 
 def main(argv: list[str]) -> int:
@@ -120,7 +132,11 @@ def main(argv: list[str]) -> int:
         request = load_request(json.loads(config_path.read_text()))
         run(request, trial_dir, launched_at)
     except BaseException as exc:  # noqa: BLE001 - every failure must leave a record
-        write_json_atomic(trial_dir / f"rank{rank}.error.json", _failure_record(exc, rank))
+        try:
+            record = _failure_record(exc, rank)
+        except BaseException:  # noqa: BLE001 - the cause, at least, is known
+            record = {"rank": rank, "time": time.time(), "status": Status.CRASH, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        write_json_atomic(trial_dir / f"rank{rank}.error.json", record)
         traceback.print_exc()
         sys.stderr.flush()
         # A rank that dies leaves its peers blocked in a collective; exiting at

@@ -46,7 +46,9 @@ def parallelize(
     the values they were built with.
     """
     on_meta = any(p.is_meta for p in model.parameters())
-    materializer = Materializer(model, torch.device("cpu") if config["cpu_offload"] and config["fsdp_version"] == 2 else device)
+    # FSDP2's offload keeps the sharded parameters in host memory; buffers stay on the device either way.
+    offloaded = config["cpu_offload"] and config["fsdp_version"] == 2
+    materializer = Materializer(model, torch.device("cpu") if offloaded else device, buffer_device=device)
     blocks = apply_activation_checkpointing(model, layers, config["activation_checkpointing"])
     if config.get("compile"):
         apply_compile(blocks)
@@ -208,7 +210,7 @@ def apply_fsdp1(
     # inv_freq cast to bf16 would make the two versions compute differently.
     mixed = None if dtypes is None else MixedPrecision(param_dtype=dtypes[0], reduce_dtype=dtypes[1], buffer_dtype=None)
     prefetch = None if backward_prefetch == "none" else BackwardPrefetch[backward_prefetch]
-    return FullyShardedDataParallel(
+    wrapped = FullyShardedDataParallel(
         model,
         auto_wrap_policy=policy,
         # FSDP1 spells the hybrid ZeRO-2 strategy with a leading underscore.
@@ -226,6 +228,31 @@ def apply_fsdp1(
         param_init_fn=param_init_fn,
         sync_module_states=False,
     )
+    if mixed is not None:
+        allow_low_precision_grads_on_tied(wrapped)
+    return wrapped
+
+
+def allow_low_precision_grads_on_tied(model: nn.Module) -> None:
+    """Let a tied parameter hold FSDP1's low-precision gradient between micro batches.
+
+    Unsynced (``no_sync``, gradient accumulation) and unsharded (NO_SHARD, or
+    any strategy on one rank), FSDP1 keeps the gradient in the compute dtype
+    and points each parameter's ``.grad`` at it through ``.data``, which
+    skips the dtype check; but a tied parameter (embeddings shared with the
+    output head) is handed its gradient by plain assignment, which since
+    torch 2.10 checks ``grad_dtype``: "attempting to assign a gradient with
+    dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'" (found on an
+    H200 with torch 2.11, reproduced on CPU with 2.11 and 2.13). ``grad_dtype
+    = None`` allows that one assignment; the synced backward still hands the
+    optimizer full-precision gradients.
+    """
+    counts: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        counts[id(param)] = counts.get(id(param), 0) + 1
+    for param in model.parameters():
+        if counts[id(param)] > 1 and hasattr(param, "grad_dtype"):
+            param.grad_dtype = None
 
 
 def apply_fsdp2(
@@ -332,7 +359,8 @@ def _is_checkpoint_wrapper(module: nn.Module) -> bool:
 
 
 class Materializer:
-    """Give a meta-device model real storage on ``device``, shard by shard.
+    """Give a meta-device model real storage on ``device``, shard by shard, and
+    its buffers on ``buffer_device`` (default: ``device``).
 
     ``Module.to_empty`` alone loses two things, which this keeps:
 
@@ -343,11 +371,18 @@ class Materializer:
       function recomputes a buffer the model computed in its constructor (a
       rotary ``inv_freq``, a mask); their values are taken before wrapping and
       put back after.
+
+    The two devices differ under FSDP2's CPU offload: the parameters' shards
+    live in host memory, while the buffers stay on the GPU, where
+    ``fully_shard`` moved them (a rotary buffer on the host would be copied
+    to the GPU in every forward, and a model that uses a buffer directly
+    would fail on the device mismatch; torchtitan's ``buffer_device``).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, buffer_device: torch.device | None = None) -> None:
         self.model = model
         self.device = device
+        self.buffer_device = buffer_device or device
         self._replacement: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         self._buffers: dict[tuple[int, str], torch.Tensor] = {
             (id(module), name): buffer.detach().clone()
@@ -373,8 +408,16 @@ class Materializer:
     @torch.no_grad()
     def whole(self) -> None:
         """Every tensor of the model, after FSDP2 sharded it (DTensor parameters are
-        swapped in place, so ties hold)."""
+        swapped in place, so ties hold). Buffers that hold values already stay
+        as they are, where ``fully_shard`` put them; meta ones get storage on
+        ``buffer_device``."""
+        held = {(id(m), name): b for m in self.model.modules() for name, b in m.named_buffers(recurse=False)
+                if b is not None and not b.is_meta}
         self.model.to_empty(device=self.device)
+        for module in self.model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                kept = held.get((id(module), name))
+                module._buffers[name] = kept if kept is not None else buffer.to(self.buffer_device)
         init_weights(self.model, self.model)
         self._restore_buffers(self.model)
 

@@ -62,31 +62,71 @@ class BudgetBelowOverheadError(RuntimeError):
     """The budget does not even cover the device memory outside the allocator: nothing can fit."""
 
 
-def cap_allocator(budget_bytes: int, device: torch.device, groups: Iterable[Any] = ()) -> MemoryCap:
-    """Cap this rank's caching allocator at ``budget_bytes`` less the device memory
-    outside it, measured now, so that the trial runs as on a GPU of the budget's size.
+# The cap in force on this rank, for the record of a trial that fails under it.
+_in_force: list[MemoryCap] = []
+
+
+def cap_in_force() -> MemoryCap | None:
+    return _in_force[-1] if _in_force else None
+
+
+# Elements of the collectives that bring up NCCL's buffers: NCCL picks its
+# protocol by message size (LL for small, LL128, Simple for large ones) and
+# connects each on first use, so one of each size, fp32.
+WARM_COLLECTIVE_NUMELS = (1024, 256 * 1024, 8 * 1024 * 1024)
+
+
+def warm_outside_allocator(device: torch.device, groups: Iterable[Any], dtypes: Iterable[torch.dtype]) -> None:
+    """Bring up what lives outside the caching allocator before it is measured:
+    cuBLAS's handles and workspace (a matmul in each dtype the trial computes
+    in), and each group's NCCL communicator with its buffers (an all-reduce,
+    an all-gather and a reduce-scatter of each size FSDP's come in). The
+    tensors go back to the allocator's cache, which is emptied."""
+    for dtype in dtypes:
+        a = torch.ones(256, 256, device=device, dtype=dtype)
+        (a @ a).sum().item()
+    for group in groups:
+        size = dist.get_world_size(group)
+        for numel in WARM_COLLECTIVE_NUMELS:
+            shard = torch.ones(numel, device=device)
+            whole = torch.empty(numel * size, device=device)
+            dist.all_reduce(shard, group=group)
+            dist.all_gather_into_tensor(whole, shard, group=group)
+            dist.reduce_scatter_tensor(shard, whole, group=group)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def cap_allocator(budget_bytes: int, device: torch.device) -> MemoryCap:
+    """Cap this rank's caching allocator at ``budget_bytes`` (at most the device)
+    less the device memory outside it, measured now, so that the trial runs as
+    on a GPU of the budget's size.
 
     Past the cap the allocator frees its cached blocks and retries before it
     raises out of memory (``num_alloc_retries`` counts the retries): a
     configuration that trains under the cap fits, and its speed is what a
-    user with such a GPU would see. What lives outside the allocator (the CUDA
-    context, cuBLAS handles, NCCL's buffers) is brought up first: one
-    collective on each of ``groups`` creates its communicator.
+    user with such a GPU would see. Called again once the outside has grown
+    (the first step loads kernels lazily, connects NCCL's channels), the cap
+    drops by that growth, cached blocks above it are released, and the
+    allocator's peaks start again, so the peak is the one under the cap.
     """
-    for group in groups:
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    cap = allocator_cap(budget_bytes, total, free, torch.cuda.memory_reserved(device))
+    reserved = torch.cuda.memory_reserved(device)
+    cap = allocator_cap(budget_bytes, total, free, reserved)
     torch.cuda.set_per_process_memory_fraction(cap.cap_bytes / total, device)
+    if reserved > cap.cap_bytes:
+        torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    _in_force.append(cap)
     return cap
 
 
 def allocator_cap(budget_bytes: int, total: int, free: int, reserved: int) -> MemoryCap:
-    """The cap for a rank's caching allocator: the budget less the device memory in
-    use outside the allocator (``total - free - reserved``), never above the device."""
+    """The cap for a rank's caching allocator: the budget, never more than the
+    device, less the device memory in use outside the allocator (``total - free - reserved``)."""
     outside = max(0, total - free - reserved)
-    cap = min(budget_bytes - outside, total)
+    cap = min(budget_bytes, total) - outside
     if cap <= 0:
         raise BudgetBelowOverheadError(
             f"out of memory: the budget of {budget_bytes} bytes does not cover the {outside} bytes this rank holds "
@@ -94,21 +134,39 @@ def allocator_cap(budget_bytes: int, total: int, free: int, reserved: int) -> Me
     return MemoryCap(budget_bytes, outside, cap)
 
 
+def outside_allocator(device: torch.device) -> int:
+    """Device memory in use outside the caching allocator now (context, cuBLAS, NCCL)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
 def add_run_figures(memory: RankMemory, device: torch.device) -> None:
     """What only the whole run shows, added to the memory step's figures: the
     allocator's pool can still grow after that step, and it may have retried at
-    its cap (freed its cache to make room) any time since the model was built."""
+    its cap (freed its cache to make room) any time since the model was built.
+
+    A capped rank's memory outside the allocator is the figure its cap left
+    room for, so that a rank that trained under the cap holds at most the
+    budget; what appeared outside since is ``outside_growth``."""
     memory.peak_reserved = max(memory.peak_reserved or 0, torch.cuda.max_memory_reserved(device))
     memory.alloc_retries = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    outside = outside_allocator(device)
+    cap = cap_in_force()
+    if cap is None:
+        memory.outside_allocator = max(memory.outside_allocator or 0, outside)
+        return
+    memory.cap_bytes = cap.cap_bytes
+    memory.outside_allocator = cap.outside_bytes
+    memory.outside_growth = max(0, outside - cap.outside_bytes)
 
 
-def _has_own_storage(obj: Any, count_fake: bool) -> bool:
-    """Plain tensors and parameters (and fake ones, when counting them); not wrapper
-    subclasses such as DTensor, whose bytes live in the local tensor they wrap
-    (counted on its own)."""
+def _has_own_storage(obj: Any, fake_mode: Any) -> bool:
+    """Plain tensors and parameters (and the fake ones of ``fake_mode``, when
+    counting those); not wrapper subclasses such as DTensor, whose bytes live
+    in the local tensor they wrap (counted on its own)."""
     if type(obj) in (torch.Tensor, torch.nn.Parameter):
         return True
-    return count_fake and isinstance(obj, FakeTensor)
+    return fake_mode is not None and isinstance(obj, FakeTensor) and obj.fake_mode is fake_mode
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -118,29 +176,34 @@ class LiveStorageTracker(TorchDispatchMode):
     are re-read at every operator because FSDP frees and re-allocates unsharded
     parameters by resizing storages in place, which no operator reports.
 
-    ``count_fake`` counts fake tensors as if real: the estimator's step is all
-    fake. A real trial must not: torch.compile keeps fake copies of the tensors
-    it traced, which hold no memory.
+    ``fake_mode`` counts that mode's fake tensors as if real: the estimator's
+    step is all fake. Only that mode's: a fake step run before it in the same
+    process may leave fake tensors behind that no Python reference holds
+    (FSDP1's NO_SHARD keeps its flat parameters alive through a hook on their
+    gradient accumulator, a cycle through C++ the garbage collector cannot
+    see), and counting them made the second of two depths 1.5 GiB too large
+    (autotune issue 35). A real trial counts no fake tensor: torch.compile
+    keeps fake copies of the tensors it traced, which hold no memory.
     """
 
-    def __init__(self, count_fake: bool = False) -> None:
+    def __init__(self, fake_mode: Any = None) -> None:
         super().__init__()
         self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.peak_bytes = 0
-        self.count_fake = count_fake
+        self.fake_mode = fake_mode
 
     def __enter__(self) -> LiveStorageTracker:
         # Tensors alive before the step (parameters, optimizer state, buffers)
         # count too, though no operator of the step created them.
         gc.collect()
         for obj in gc.get_objects():
-            if _has_own_storage(obj, self.count_fake):
+            if _has_own_storage(obj, self.fake_mode):
                 self._add(obj)
         self._update_peak()
         return super().__enter__()
 
     def _add(self, tensor: Any) -> None:
-        if not _has_own_storage(tensor, self.count_fake) or tensor.device.type == "meta":
+        if not _has_own_storage(tensor, self.fake_mode) or tensor.device.type == "meta":
             return
         try:
             storage = tensor.untyped_storage()
@@ -148,10 +211,12 @@ class LiveStorageTracker(TorchDispatchMode):
             return
         self._storages[storage] = None
 
-    def _update_peak(self) -> None:
+    def _update_peak(self) -> int:
+        """Re-read the live bytes; returns them."""
         current = sum(storage.nbytes() for storage in list(self._storages.keys()))
         if current > self.peak_bytes:
             self.peak_bytes = current
+        return current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -10,11 +10,13 @@ one JSON object on stdout. A model that cannot be built is a usage error:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 import warnings
+from typing import Iterator
 
 
 def time_matmul(dtype, device, size: int = 384, repeats: int = 8) -> float:
@@ -101,6 +103,8 @@ def describe_host(hidden_size: int | None = None, nproc: int | None = None) -> d
         "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
     }
     if cuda:
+        # Locks name a GPU by its UUID, however a mask spells it (autotune.launch.locks.lock_ids).
+        info["device_uuids"] = [str(torch.cuda.get_device_properties(i).uuid) for i in range(info["cuda_device_count"])]
         # is_bf16_supported() is also true where bf16 is only emulated (V100,
         # T4: compute capability 7.x); the capability says whether it is fast.
         info["bf16_supported"] = bool(torch.cuda.is_bf16_supported())
@@ -137,11 +141,26 @@ def describe_host(hidden_size: int | None = None, nproc: int | None = None) -> d
         else:
             fast = torch.bfloat16 if (info["bf16_speedup"] or 0) >= 1.0 else torch.float32
         threads = max(1, info["cpu_count"] // (nproc or (info["cuda_device_count"] if cuda else 2) or 1))
-        info["saturation"] = saturation_curve(hidden_size, device, fast, threads)
+        with gpu_held(info.get("device_uuids")):
+            info["saturation"] = saturation_curve(hidden_size, device, fast, threads)
     import transformers
 
     info["transformers_version"] = transformers.__version__
     return info
+
+
+@contextlib.contextmanager
+def gpu_held(uuids: list[str] | None) -> Iterator[None]:
+    """Hold cuda:0's device lock (when on a GPU) while the sweep uses it: a
+    tuner's trial on that GPU is timed, and its memory outside the allocator
+    measured, with nothing else running there."""
+    if not uuids:
+        yield
+        return
+    from autotune.launch.locks import device_slot
+
+    with device_slot("cuda", [(0,)], names=uuids):
+        yield
 
 
 def compile_toolchain(cuda: bool) -> tuple[bool, str | None]:

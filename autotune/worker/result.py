@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from autotune.config import Status, TrialRequest, TrialResult
-from autotune.worker.measure import step_time_stats
+from autotune.worker.measure import cap_in_force, step_time_stats
 from autotune.worker.runtime import Rank
 from autotune.worker.train import Measurement
 
@@ -50,6 +50,8 @@ def build_result(
         phases={k: round(v, 4) for k, v in phases.items()},
         allocator_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if rank.device.type == "cuda" else None,
     )
+    cap = cap_in_force()
+    result.memory_cap_bytes = cap.cap_bytes if cap is not None else None
     # A trial stopped in its warm-up never reached the memory step.
     result.rank_memory = list(gathered) if all(gathered) else []
     result.timed_steps = len(measurement.step_times)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,22 @@ def init_distributed(requested_device: str) -> Rank:
     else:
         dist.init_process_group("gloo")
     return Rank(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def groups_in_use(fsdp: Any, mesh: Any) -> list[Any]:
+    """The process groups a trial's collectives run on: the default group (the
+    timing's and the result's, and FSDP1's unless it shards hybrid) and the
+    groups of the mesh dimensions FSDP2 or hybrid FSDP1 shards and replicates
+    over. Each once, and none of one rank (nothing to connect). FSDP1 is
+    handed the mesh only when hybrid (autotune.worker.fsdp.apply_fsdp1): a
+    group it never uses would count its NCCL buffers outside the allocator."""
+    groups = [dist.group.WORLD]
+    if fsdp.fsdp_version == 2 or fsdp.is_hybrid:
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            if mesh.size(dim) > 1 and all(group is not g for g in groups):
+                groups.append(group)
+    return groups
 
 
 def synchronize(device: torch.device) -> None:
