@@ -18,6 +18,7 @@ from autotune.study import outages
 from autotune.outputs.formats import FORMATS
 from autotune.study.storage import DEFAULT_STORAGE, is_folder_char
 from autotune.study.settings import ExecutionSettings, MeasureSettings, SearchSettings, StudySettings
+from autotune.torch_version import check_torch
 
 # Every default is the settings section's own (autotune/study/settings.py).
 SEARCH, MEASURE, EXECUTION = SearchSettings(), MeasureSettings(), ExecutionSettings()
@@ -287,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autotune import commands
 
     try:
+        if args.command in ("run", "measure", "estimate"):
+            warning = check_torch()
+            if warning:
+                print(warning, file=sys.stderr)
         return commands.COMMANDS[args.command](args)
     except UsageError as exc:
         print(f"autotune {args.command}: error: {exc}", file=sys.stderr)

@@ -293,15 +293,24 @@ class FakeCuda:
             "get_device_name": lambda device=None: properties(device).name,
             "get_device_capability": lambda device=None: self.gpu(device).capability,
             "is_bf16_supported": lambda *a, **k: True,
+            # The optimizer asks before each step (torch 2.6-2.9 through torch.cuda).
+            "is_current_stream_capturing": lambda: False,
         }
 
 
 @contextlib.contextmanager
-def installed(cuda: FakeCuda, monkeypatch) -> Iterator[FakeCuda]:
-    """``torch.cuda`` answers from ``cuda`` while the block runs (restored by ``monkeypatch`` after it)."""
-    for name, function in cuda.functions().items():
-        monkeypatch.setattr(torch.cuda, name, function)
-    yield cuda
+def installed(cuda: FakeCuda) -> Iterator[FakeCuda]:
+    """``torch.cuda`` answers from ``cuda`` while the block runs."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, function in cuda.functions().items():
+            patch.setattr(torch.cuda, name, function)
+        if hasattr(torch, "accelerator"):
+            # A CUDA build of torch asks its accelerator (the optimizer's graph-capture check) through the real
+            # driver once torch.cuda says a GPU is there; the tensors here are the CPU's.
+            patch.setattr(torch.accelerator, "is_available", lambda: False)
+        yield cuda
 
 
 @contextlib.contextmanager

@@ -80,3 +80,10 @@ def test_estimator_accuracy_benchmark_quick(tmp_path):
     out = tmp_path / "accuracy.md"
     bench("estimator_accuracy.py", "--out", str(out), cwd=tmp_path)
     assert "3 configurations: median absolute error" in out.read_text()
+
+
+def test_launch_gaps_quick_reports_each_gap_against_its_target(tmp_path):
+    out = tmp_path / "gaps.md"
+    bench("launch_gaps.py", "--out", str(out), cwd=tmp_path)
+    report = out.read_text()
+    assert "| 2 |" in report and "gap before it" in report and ("PASS" in report or "MISS" in report)

@@ -50,13 +50,16 @@ def trial(gpu: FakeGpu, monkeypatch, req: TrialRequest, hidden: int = 32, vocab:
     from autotune.worker.result import build_result
     from autotune.worker.train import measure
 
-    with installed(FakeCuda([gpu]), monkeypatch), one_rank_group(), gpu.active():
-        mesh = build_mesh("cuda", req.fsdp.sharding_strategy, 1, 1)
-        cap_device(req, RANK, mesh)
-        torch.manual_seed(0)
-        model = _TinyLM(vocab_size=vocab, hidden=hidden)
-        measurement = measure(model, req, vocab, RANK)
-        return build_result(req, RANK, measurement, sum(p.numel() for p in model.parameters()), measurement.phases)
+    with one_rank_group():
+        # Made before the GPU is there: torch 2.6 gives a new group NCCL once torch.cuda says a GPU is.
+        mesh = build_mesh("cpu", req.fsdp.sharding_strategy, 1, 1)
+        with installed(FakeCuda([gpu])), gpu.active():
+            cap_device(req, RANK, mesh)
+            torch.manual_seed(0)
+            model = _TinyLM(vocab_size=vocab, hidden=hidden)
+            measurement = measure(model, req, vocab, RANK)
+            return build_result(req, RANK, measurement, sum(p.numel() for p in model.parameters()),
+                                measurement.phases)
 
 
 def test_a_configuration_as_fast_as_the_best_is_not_stopped_on_its_first_cuda_step(monkeypatch):
@@ -130,7 +133,7 @@ def test_a_budget_above_the_gpu_is_refused_before_the_run(monkeypatch, tmp_path,
     gpu = FakeGpu(total=80 * 10**9)
 
     def probe(model, wrap_class=(), timeout_s=300, nproc=None, forks=None):
-        with installed(FakeCuda([gpu]), monkeypatch), gpu.active():
+        with installed(FakeCuda([gpu])), gpu.active():
             host = describe_host()
         real_model = host_module.ModelInfo(num_params=10, layer_classes=("Block",), num_layers=2, vocab_size=128,
                                            class_name="_TinyLM", max_positions=None, hidden_size=32)
@@ -151,7 +154,7 @@ def test_fsdp2_with_cpu_offload_keeps_the_buffers_on_the_gpu(monkeypatch):
     from autotune.worker.fsdp import Materializer
 
     gpu = FakeGpu()
-    with installed(FakeCuda([gpu]), monkeypatch), gpu.active():
+    with installed(FakeCuda([gpu])), gpu.active():
         with torch.device("meta"):
             model = torch.nn.Linear(8, 8)
         inv_freq = torch.arange(4.0)
@@ -181,7 +184,7 @@ def test_the_host_probe_waits_for_the_gpu_a_trial_holds(monkeypatch, tmp_path):
             describe_host(hidden_size=64, nproc=1)
         done.set()
 
-    with installed(cuda, monkeypatch):
+    with installed(cuda):
         with device_slot("cuda", [(0,)], names=[gpu.uuid]):
             prober = threading.Thread(target=probe, daemon=True)
             prober.start()
@@ -200,12 +203,13 @@ def test_fsdp1_without_hybrid_sharding_warms_only_the_group_it_uses(monkeypatch)
     from autotune.worker.runtime import groups_in_use
 
     gpu = FakeGpu()
-    with installed(FakeCuda([gpu]), monkeypatch), one_rank_group(), gpu.active():
-        mesh = build_mesh("cuda", "NO_SHARD", 1, 1)
+    with one_rank_group():
+        mesh = build_mesh("cpu", "NO_SHARD", 1, 1)
         assert mesh.ndim == 2
         fsdp1 = FsdpConfig(fsdp_version=1, sharding_strategy="NO_SHARD")
         assert groups_in_use(fsdp1, mesh) == [dist.group.WORLD]
-        cap_device(request(fsdp=fsdp1, memory_budget_bytes=4 * 2**30), RANK, mesh)
+        with installed(FakeCuda([gpu])), gpu.active():
+            cap_device(request(fsdp=fsdp1, memory_budget_bytes=4 * 2**30), RANK, mesh)
         assert len(gpu.communicators) == 1
         assert measure_module.cap_in_force().outside_bytes == gpu.context + gpu.cublas + gpu.nccl_init + gpu.nccl
     with one_rank_group():
@@ -223,7 +227,7 @@ def test_device_locks_are_named_by_uuid_however_the_gpu_is_spelled(monkeypatch, 
     monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(tmp_path))
     gpus = [FakeGpu(uuid="11111111-aaaa-4000-8000-000000000000"), FakeGpu(uuid="22222222-bbbb-4000-8000-000000000000")]
     cuda = FakeCuda(gpus)
-    with installed(cuda, monkeypatch):
+    with installed(cuda):
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         first = describe_host()["device_uuids"]
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-22222222-bbbb")
@@ -250,7 +254,7 @@ def test_a_sticky_cuda_error_keeps_its_cause_in_the_rank_record(monkeypatch):
     from autotune.worker.__main__ import _failure_record
 
     gpu = FakeGpu()
-    with installed(FakeCuda([gpu]), monkeypatch), gpu.active():
+    with installed(FakeCuda([gpu])), gpu.active():
         torch.ones(4, device="cuda") @ torch.ones(4, device="cuda")
         gpu.fail()
         try:

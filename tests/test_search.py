@@ -11,7 +11,7 @@ from autotune.study import run_study
 from autotune.study.record import Attr, StudyAttr, is_confirmation, is_feasible, trial_config
 from autotune.study.verdict import Role, read_verdict
 from autotune.study.margin import ESTIMATE_SLACK
-from autotune.study.search import frontier_configs
+from autotune.study.frontier import frontier_configs
 from tests.test_objective import HOST, LAYER, MODEL, MiB, ScriptedEstimator, ScriptedLaunch, ok, settings
 
 SPACE = ("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP, NO_SHARD]\nmixed_precision: [fp32, bf16]\n"
@@ -102,6 +102,32 @@ def test_frontier_falls_back_to_checkpointing_only_when_nothing_fits_without():
     seeds = frontier_configs(candidates, lambda c: c.activation_checkpointing == "full" and c.micro_batch_size == 1, ("bf16",))
     assert [(c.activation_checkpointing, c.micro_batch_size) for c in seeds] == [("full", 1)]
     assert frontier_configs(candidates, lambda c: False, ("bf16",)) == []
+
+
+def test_the_frontier_is_planned_a_strategy_at_a_time_and_a_strategy_that_cannot_fit_costs_one_question():
+    """Each question is a fake step (seconds): the next launch waits only for the strategy it is about to take.
+    80 s passed between the first two launches of a gated Qwen2 study when the whole frontier was planned at once,
+    a fake step per checkpointing mode and precision of strategies that could not fit at all."""
+    from autotune.study.frontier import frontier_by_strategy
+
+    candidates = [FsdpConfig(sharding_strategy=s, mixed_precision=p, activation_checkpointing=ac, micro_batch_size=m,
+                             transformer_layer_cls=LAYER)
+                  for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") for p in ("bf16", "fp32")
+                  for ac in ("none", "selective", "full") for m in (1, 2, 4)]
+    asked = []
+
+    def fits(cfg):
+        asked.append(cfg)
+        return cfg.sharding_strategy != "NO_SHARD" and (cfg.micro_batch_size <= 2 or cfg.activation_checkpointing == "full")
+
+    plan = frontier_by_strategy(candidates, fits, ("bf16", "fp32"))
+    first = next(plan)
+    assert {c.sharding_strategy for c in first} == {"SHARD_GRAD_OP"}
+    # NO_SHARD: its least hungry configuration alone (full checkpointing, micro batch 1, bf16).
+    no_shard = [c for c in asked if c.sharding_strategy == "NO_SHARD"]
+    assert [(c.activation_checkpointing, c.micro_batch_size, c.mixed_precision) for c in no_shard] == [("full", 1, "bf16")]
+    assert not any(c.sharding_strategy == "FULL_SHARD" for c in asked), "the next strategy was planned before its turn"
+    assert [c.sharding_strategy for c in next(plan)] == ["FULL_SHARD"] and next(plan, None) is None
 
 
 def test_the_search_finds_the_best_within_a_few_launches(tmp_path):

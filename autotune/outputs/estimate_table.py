@@ -59,36 +59,57 @@ def _row(cfg: FsdpConfig, result: dict[str, Any], margin: Margin, budget_bytes: 
             "breakdown": result["breakdown"], "method": result["method"], "seconds": result["seconds"]}
 
 
-def largest_micro_batch(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
-    """For each sharding x checkpointing x precision: the largest micro batch predicted to fit (0: none)."""
-    largest: dict[tuple[str, str, str], int] = {}
+def largest_micro_batch(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], int | None]:
+    """For each sharding x checkpointing x precision: the largest micro batch predicted
+    to fit (0: none does), or None when no configuration of the group could be
+    estimated: a failed estimate says nothing about fitting."""
+    largest: dict[tuple[str, str, str], int | None] = {}
     for r in rows:
         c = r["config"]
         group = (c["sharding_strategy"], c["activation_checkpointing"], c["mixed_precision"])
-        largest.setdefault(group, 0)
-        if r.get("fits"):
-            largest[group] = max(largest[group], c["micro_batch_size"])
+        largest.setdefault(group, None)
+        if "error" not in r:
+            largest[group] = max(largest[group] or 0, c["micro_batch_size"] if r["fits"] else 0)
     return largest
+
+
+def failure_causes(rows: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """Why estimates failed: each distinct cause (the error's first line) and how many configurations it stopped."""
+    causes: dict[str, int] = {}
+    for r in rows:
+        if "error" in r:
+            cause = str(r["error"]).strip().splitlines()[0] if str(r["error"]).strip() else "unknown error"
+            causes[cause] = causes.get(cause, 0) + 1
+    return sorted(causes.items(), key=lambda item: -item[1])
 
 
 def estimates_json(rows: list[dict[str, Any]], header: dict[str, Any], margin: Margin) -> str:
     largest = largest_micro_batch(rows)
     return json.dumps({**header, "margin": vars(margin), "configurations": rows,
                        "largest_micro_batch": [{"sharding_strategy": g[0], "activation_checkpointing": g[1],
-                                                "mixed_precision": g[2], "micro_batch_size": m}
-                                               for g, m in sorted(largest.items())]}, indent=2)
+                                                "mixed_precision": g[2], "micro_batch_size": m,
+                                                **({"unknown": "no configuration of the group could be estimated"}
+                                                   if m is None else {})}
+                                               for g, m in sorted(largest.items())],
+                       "estimate_failures": [{"cause": cause, "configurations": n} for cause, n in failure_causes(rows)]},
+                      indent=2)
 
 
 def estimates_table(rows: list[dict[str, Any]]) -> str:
     def cells(r: dict[str, Any]) -> list[Any]:
         if "error" in r:
-            return ["-", "?", "", "", "", "", "", f"{r['label']} (estimate failed: {r['error']})"]
+            return ["unknown", "?", "", "", "", "", "", r["label"]]
         return [format_bytes(r["predicted_peak_bytes"]), "yes" if r["fits"] else "NO",
                 *(format_bytes(r["breakdown"].get(k, 0)) for k in BREAKDOWN), r["label"]]
+
+    def largest_cell(m: int | None) -> Any:
+        return "unknown" if m is None else m or "none fits"
 
     table = format_table(["predicted", "fits", "params", "grads", "optim", "activ", "temp", "configuration"],
                          [cells(r) for r in rows], right=(0, 2, 3, 4, 5, 6))
     largest = format_table(["sharding", "checkpointing", "precision", "micro batch"],
-                           [[g[0], g[1], g[2], m or "none fits"] for g, m in sorted(largest_micro_batch(rows).items())],
+                           [[g[0], g[1], g[2], largest_cell(m)] for g, m in sorted(largest_micro_batch(rows).items())],
                            right=(3,))
-    return f"{table}\n\nLargest micro batch that fits, among the configurations estimated:\n{largest}"
+    failures = [f"Not estimated ({n} configuration{'s' if n > 1 else ''}): {cause}" for cause, n in failure_causes(rows)]
+    return "\n".join([table, *([""] + failures if failures else []), "",
+                      "Largest micro batch that fits, among the configurations estimated:", largest])

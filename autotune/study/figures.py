@@ -52,6 +52,8 @@ class FakeStepFigures:
         self.points: list[tuple[FsdpConfig, int]] = []
         # Seconds the run's main thread spent waiting for fake steps: what estimates cost the search.
         self.waited_s = 0.0
+        # Each cause of a failed fake step, and how many it stopped.
+        self.failures: dict[str, int] = {}
 
     def known(self, cfg: FsdpConfig) -> dict[str, Any] | None:
         """The figure of ``cfg`` from fake steps already run: its own, or interpolated in its class."""
@@ -144,7 +146,18 @@ class FakeStepFigures:
             with self._lock:
                 self.points.append((cfg.replace(compile=False), int(result["peak_bytes"])))
         if "error" in result:
-            self.say(f"(memory estimate failed for {cfg.describe()}: {result['error']}; it will be launched)")
+            self._failed(cfg, str(result["error"]))
+
+    def _failed(self, cfg: FsdpConfig, error: str) -> None:
+        """Say each cause of failed estimates once, with the first configuration it stopped: such
+        configurations are launched unestimated, never taken as not fitting."""
+        cause = error.strip().splitlines()[0] if error.strip() else "unknown error"
+        with self._lock:
+            first = cause not in self.failures
+            self.failures[cause] = self.failures.get(cause, 0) + 1
+        if first:
+            self.say(f"(memory estimates fail: {cause}, first for {cfg.describe()}; such configurations are launched "
+                     "unestimated)")
 
     def _finish(self, slot: tuple[str, int], result: dict[str, Any], record: bool = True) -> None:
         with self._lock:

@@ -205,12 +205,19 @@ def _search(parts: _Parts, on_trial_complete) -> None:
     study, settings = parts.study, parts.settings
     parts.gate.start()
     if parts.search is not None and parts.gate.plan.active and not study.get_trials(deepcopy=False):
-        # Before the first trial every core is free: the standard recipe's fake steps are made side by
-        # side now, and the frontier's first ones in the background while the recipe's trial runs.
+        # Before the first trial every core is free: the fake steps of the standard recipe and of the
+        # frontier's first strategy are made side by side now, so that no launch waits for them after
+        # the recipe's trial (a CPU trial leaves no core to make them meanwhile: 80 s between the first
+        # two launches of a gated Qwen2 study); the other strategies' in the background while it runs.
         recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.study.space)
         sizes = sorted(settings.study.space.choices.get("micro_batch_size", (1,)))
-        parts.gate.prefetch([recipe.replace(micro_batch_size=m) for m in (sizes[0], sizes[-1])])
-        parts.gate.speculate(parts.search.first_needs())
+        first = [recipe.replace(micro_batch_size=m) for m in (sizes[0], sizes[-1])] + parts.search.plan.frugal_needs()
+        parts.reporter.say(f"Planning the first launches: memory estimates of the standard recipe and of each "
+                           f"strategy's least hungry configuration ({len(first)} fake steps, then the first "
+                           "strategy's span)")
+        parts.gate.prefetch(first)
+        parts.gate.prefetch(parts.search.plan.span_needs())
+        parts.gate.speculate(parts.search.plan.first_needs())
     # Several tuners may start on one study at once: one of them enqueues the first trials.
     with parts.objective.claims.mutex():
         if not study.get_trials(deepcopy=False):

@@ -12,7 +12,7 @@ search works on that list, not on a sampler's guesses:
   chance to fit, since only a launch can tell;
 - when nothing is left it says so, and the run stops for that reason.
 
-The first launches are the frontier (see :func:`frontier_configs`); after them
+The first launches are the frontier (:mod:`autotune.study.frontier`); after them
 a Bayesian linear model of log tokens/s over the configuration's choices (one
 indicator per choice) ranks the rest by expected improvement.
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import optuna
@@ -34,15 +34,13 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import SEARCH_FIELDS, FsdpConfig, Status
 from autotune.launch.host import HostInfo
+from autotune.study.frontier import FitOracle, FrontierPlan
 from autotune.study.record import Attr, Cause, trial_config
 
 # Prior on each choice's effect on log tokens/s (standard deviation), and the
 # floor of the noise between trials of one configuration.
 PRIOR_SD = 0.5
 NOISE_SD_FLOOR = 0.03
-# Sharding strategies by how much they communicate, least first: with the
-# memory to spare, less sharding is usually faster.
-BY_COMMUNICATION = ("NO_SHARD", "HYBRID_SHARD_ZERO2", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
 
 
 def precision_effects(host: HostInfo) -> dict[str, float]:
@@ -127,84 +125,6 @@ def held_keys(study: optuna.Study, layer_classes: tuple[str, ...]) -> set[str]:
     return keys
 
 
-def frontier_configs(candidates: list[FsdpConfig], fits: Callable[[FsdpConfig], bool], fast_precisions: tuple[str, ...],
-                     speed: Callable[[FsdpConfig], float] = lambda c: 1.0) -> list[FsdpConfig]:
-    """Where an expert starts, least communication first, in the fastest precision
-    that fits, FSDP2 with one unit per layer where the space offers them:
-
-    - for the least-communicating strategy that fits, the largest micro batch
-      that fits with no checkpointing, with selective and with full
-      checkpointing, fastest first by ``speed`` (the host's saturation curve
-      decides whether a larger batch is worth its recomputation);
-    - then, for every other strategy, the one of those that ``speed`` expects fastest.
-    """
-    seeds: list[FsdpConfig] = []
-    strategies = sorted({(c.sharding_strategy, c.shard_group_size or 0) for c in candidates},
-                        key=lambda s: (BY_COMMUNICATION.index(s[0]), -s[1]))
-    for strategy, group_size in strategies:
-        for precision in fast_precisions:
-            group = [c for c in candidates if c.sharding_strategy == strategy and (c.shard_group_size or 0) == group_size
-                     and c.mixed_precision == precision]
-            if not seeds:
-                span = [cfg for mode in SPANNED_CHECKPOINTING if (cfg := _largest_fitting(group, mode, fits)) is not None]
-                chosen = sorted(span, key=lambda c: -speed(c))
-            else:
-                chosen = [_fastest_fitting(group, fits, speed)] if group else []
-            if chosen and chosen[0] is not None:
-                seeds += chosen
-                break
-    return seeds
-
-
-# The checkpointing modes whose largest fitting micro batch the first strategy spans.
-SPANNED_CHECKPOINTING = ("none", "selective", "full")
-
-
-def _preferred(c: FsdpConfig) -> tuple:
-    """Among configurations of one size, the variant an expert starts from."""
-    return (c.fsdp_version != 2, c.auto_wrap_policy != "transformer_layer", c.forward_prefetch, c.cpu_offload,
-            c.backward_prefetch != "BACKWARD_PRE", not c.limit_all_gathers, c.compile)
-
-
-def _largest_fitting(group: list[FsdpConfig], checkpointing: str, fits: Callable[[FsdpConfig], bool]) -> FsdpConfig | None:
-    """The preferred variant of the largest micro batch that fits with ``checkpointing``."""
-    options = sorted((c for c in group if c.activation_checkpointing == checkpointing),
-                     key=lambda c: (-c.micro_batch_size, _preferred(c)))
-    seen_sizes: set[int] = set()
-    for cfg in options:
-        if cfg.micro_batch_size in seen_sizes:
-            continue  # only the preferred variant of each size is tried
-        seen_sizes.add(cfg.micro_batch_size)
-        if fits(cfg):
-            return cfg
-    return None
-
-
-def _fastest_fitting(group: list[FsdpConfig], fits: Callable[[FsdpConfig], bool],
-                     speed: Callable[[FsdpConfig], float]) -> FsdpConfig | None:
-    """The preferred variant of the (checkpointing, micro batch) expected fastest that fits."""
-    best: dict[tuple, FsdpConfig] = {}
-    for cfg in sorted(group, key=_preferred):
-        best.setdefault((cfg.activation_checkpointing, cfg.micro_batch_size), cfg)
-    return next((cfg for cfg in sorted(best.values(), key=lambda c: -speed(c)) if fits(cfg)), None)
-
-
-class FitOracle(Protocol):
-    """What the search asks of the memory gate (:class:`autotune.study.gate.MemoryGate`)."""
-
-    def fit_chance(self, cfg: FsdpConfig) -> tuple[float, str | None]:
-        """(chance to fit, why not when it is 0), estimating if need be."""
-
-    def free_chance(self, cfg: FsdpConfig) -> tuple[float, str | None] | None:
-        """The same when it needs no fake step, else None."""
-
-    def probably_over(self, cfg: FsdpConfig) -> bool:
-        """Whether a rough model says a fake step of ``cfg`` would likely find it over budget."""
-
-    def speculate(self, configs: list[FsdpConfig]) -> None:
-        """Estimate these in the background, where the host has cores to spare."""
-
-
 class _EverythingFits:
     """The oracle of a search without a memory gate, or with a plain ``fit_chance``."""
 
@@ -243,8 +163,8 @@ class ModelSearch:
         self.fit_chance = self.gate.fit_chance
         self.priors = priors
         self.say = say
-        # Made at the first proposal, once the gate has planned; () when off.
-        self._frontier: list[FsdpConfig] | None = None if use_frontier else []
+        # Where the search starts, planned a strategy at a time.
+        self.plan = FrontierPlan(candidates, self.gate, priors, say, SPECULATED // 2, use_frontier)
         self.excluded: dict[str, str] = {}
         self._rng = np.random.default_rng(seed)
         self._encoder = _Encoder(candidates)
@@ -277,31 +197,9 @@ class ModelSearch:
                 return kept
             return self._propose(study)
 
-    def first_needs(self) -> list[FsdpConfig]:
-        """Configurations whose fit the frontier asks first: the span of the least
-        communicating strategy in the fastest precision, and the other
-        strategies without checkpointing, at the space's smallest and largest
-        micro batch (which bound every other of their class)."""
-        fast = max(self.priors.precision, key=self.priors.precision.get)
-        sizes = sorted({c.micro_batch_size for c in self.candidates})
-        strategies = sorted({c.sharding_strategy for c in self.candidates}, key=BY_COMMUNICATION.index)
-        wanted = {(s, mode) for s in strategies[:1] for mode in SPANNED_CHECKPOINTING} | {(s, "none") for s in strategies}
-        picked: dict[tuple, FsdpConfig] = {}
-        for cfg in sorted(self.candidates, key=_preferred):
-            key = (cfg.sharding_strategy, cfg.activation_checkpointing, cfg.micro_batch_size)
-            if key[:2] in wanted and cfg.mixed_precision == fast and key[2] in (sizes[0], sizes[-1]) and not cfg.is_hybrid:
-                picked.setdefault(key, cfg)
-        return list(picked.values())
-
     def frontier(self) -> list[FsdpConfig]:
-        """The memory frontier (see :func:`frontier_configs`), in the precisions this host runs fastest first."""
-        if self._frontier is None:
-            fast = tuple(sorted(self.priors.precision, key=lambda p: -self.priors.precision[p]))
-            self._frontier = frontier_configs(self.candidates, lambda c: self.fit_chance(c)[0] >= 1.0, fast,
-                                              self.priors.speed)
-            if self._frontier:
-                self.say(f"Frontier, measured first: {'; '.join(c.describe() for c in self._frontier)}")
-        return self._frontier
+        """The whole memory frontier (see :func:`autotune.study.frontier.frontier_configs`), planned to its end."""
+        return self.plan.complete()
 
     def _propose(self, study: optuna.Study) -> FsdpConfig | None:
         remaining = self.remaining(study)
@@ -309,9 +207,9 @@ class ModelSearch:
             self.exhausted = True
             return None
         open_keys = {c.key() for c in remaining}
-        # Where experts start, before any model: recomputed on resume, so a
-        # frontier configuration measured in an earlier run is not proposed again.
-        seed = next((c for c in self.frontier() if c.key() in open_keys), None)
+        # Where experts start, before any model, planned a strategy at a time: recomputed on
+        # resume, so a frontier configuration measured in an earlier run is not proposed again.
+        seed = self.plan.next_seed(open_keys)
         if seed is not None:
             return seed
         scores, has_data = self._expected_improvement(study, remaining)
@@ -319,7 +217,8 @@ class ModelSearch:
         order = [int(i) for i in np.lexsort((self._rng.random(len(remaining)), -scores))]
         # Candidates a rough model finds unlikely to fit wait for the rest; only if
         # nothing else fits are they estimated after all.
-        best = self._walk(remaining, scores, order, has_data, defer=True) or self._walk(remaining, scores, order, has_data)
+        best = (self._walk(remaining, scores, order, has_data, defer=True) or self._walk(remaining, scores, order, has_data)
+                or self._walk(remaining, scores, order, has_data, capped=False))
         if best is None:
             self.exhausted = True
         undecided = [remaining[i] for i in order[:4 * SPECULATED]
@@ -328,7 +227,7 @@ class ModelSearch:
         return best
 
     def _walk(self, remaining: list[FsdpConfig], scores: np.ndarray, order: list[int], has_data: bool,
-              defer: bool = False) -> FsdpConfig | None:
+              defer: bool = False, capped: bool = True) -> FsdpConfig | None:
         """The best candidate weighed by its chance to fit. Weighing only lowers a
         score, so the walk stops at the first raw score below the best weighted
         one; a candidate whose chance needs a fake step is estimated only when it
@@ -343,8 +242,11 @@ class ModelSearch:
             if free is None:
                 if defer and self.gate.probably_over(cfg):
                     continue
-                if best is not None and (scores[index] <= best_score + ESTIMATE_WORTH
-                                         or estimated >= MAX_ESTIMATED_PER_PROPOSAL):
+                # The cap holds while nothing is chosen yet too: a launch waits for these
+                # fake steps, so a candidate judged for free is taken rather than a fifth one.
+                if estimated >= MAX_ESTIMATED_PER_PROPOSAL and (best is not None or capped):
+                    continue
+                if best is not None and scores[index] <= best_score + ESTIMATE_WORTH:
                     continue
                 estimated += 1
             chance, reason = free if free is not None else self.gate.fit_chance(cfg)

@@ -270,6 +270,55 @@ def grouped_mm_in_any_dtype() -> Iterator[None]:
 FP16_SCALE = 2.0**16
 
 
+# c10d's collectives as a fake tensor runs them: each returns its output and a finished work.
+_COLLECTIVES = {
+    "broadcast_": True, "allreduce_": True, "allgather_": True, "_allgather_base_": True, "reduce_scatter_": True,
+    "_reduce_scatter_base_": True, "scatter_": True, "alltoall_": True, "reduce_": False, "gather_": False,
+    "alltoall_base_": False, "barrier": False, "send": False, "recv_": False, "recv_any_source_": False,
+}
+_fake_collectives: list[Any] = []
+
+
+def register_fake_collectives() -> None:
+    """Fake kernels for c10d's collectives where torch has none of its own.
+
+    torch 2.11 registers them (``torch.distributed._meta_registrations``);
+    before it, a fake step fails on its first collective
+    (``UnsupportedOperatorException: c10d._allgather_base_.default``, torch
+    2.6 and 2.9). Each kernel returns the collective's first argument and a
+    work that is already done, as 2.11's do: no data moves in a fake step.
+    """
+    import importlib.util
+
+    if _fake_collectives:
+        return
+    if importlib.util.find_spec("torch.distributed._meta_registrations") is not None:
+        _fake_collectives.append(importlib.import_module("torch.distributed._meta_registrations"))
+        return
+    from torch._C import _distributed_c10d as c10d
+
+    def done() -> Any:
+        if hasattr(c10d, "FakeWork"):
+            return c10d.FakeWork().boxed()
+        # torch < 2.9 has no FakeWork: a work made from a future that has its result.
+        future = torch.futures.Future()
+        future.set_result(None)
+        return c10d._create_work_from_future(future).boxed()
+
+    def kernel(returns_first: bool) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            return (args[0], done()) if returns_first else done()
+        return run
+
+    library = torch.library.Library("c10d", "IMPL")
+    for name, returns_first in _COLLECTIVES.items():
+        try:
+            library.impl(name, kernel(returns_first), "Meta")
+        except RuntimeError:  # an op this version does not have
+            continue
+    _fake_collectives.append(library)
+
+
 def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpConfig, grad_accum_steps: int = 1,
              num_blocks: int | None = None, lora: LoraSpec | None = None, offloaded: bool = False) -> dict[str, Any]:
     """Peak bytes per rank of one steady-state training step, its breakdown, and
@@ -283,6 +332,7 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
     if world_size % nnodes:
         raise ValueError(f"world size {world_size} is not a multiple of nnodes {nnodes}")
     start = time.perf_counter()
+    register_fake_collectives()
     if not dist.is_initialized() or dist.get_world_size() != world_size:
         if dist.is_initialized():
             dist.destroy_process_group()
