@@ -200,6 +200,12 @@ def _add_search_flags(run: Any) -> None:
     run.add_argument("--no-estimate", action="store_true",
                      help="launch every configuration, without first predicting its peak memory (default: predict, "
                           "and skip configurations predicted over budget)")
+    run.add_argument("--trial-depth", default=None, metavar="full|auto|N,M",
+                     help="how the search's trials meet a deep model: auto times copies of 4 and 8 blocks and extends "
+                          "their line to the model's depth when that makes a trial at least twice cheaper (checked "
+                          "once on a third copy), full runs the model as it is, N,M times copies of N and M blocks; "
+                          "memory is judged by the full-depth estimate, and the confirmation rounds run at full depth "
+                          "(default: auto, or what a resumed study started with)")
 
 
 def _add_estimate(commands: Any) -> None:

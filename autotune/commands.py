@@ -94,6 +94,20 @@ def _check_budget_fits_device(text: str, budget: int, host: Any) -> None:
                          f"give at most {format_bytes(size).replace(' ', '')} (GB is 10^9 bytes, GiB 2^30)")
 
 
+def _with_trial_depth(settings: Any, stored: dict[str, Any], model: Any) -> Any:
+    """The settings with their trial depth: as given, else what a resumed study started
+    with (check_resumable refused a change), else auto; depths the model cannot take
+    are refused before anything is written."""
+    import dataclasses
+
+    from autotune.study.runner import plan_for
+
+    depth = settings.study.trial_depth or stored.get("trial_depth") or "auto"
+    settings = dataclasses.replace(settings, study=dataclasses.replace(settings.study, trial_depth=depth))
+    plan_for(settings, model)
+    return settings
+
+
 def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any, Any]:
     """Check every flag of ``autotune run`` (the host probe included, forked from
     ``forks`` when it is ready) and return (settings, host, model)."""
@@ -101,6 +115,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     from autotune.launch.host import probe
     from autotune.presets import choose_seq_len, parse_model_spec
     from autotune.study import RunSettings, check_resumable, default_study_name
+    from autotune.study.trial_depth import parse_trial_depth
     from autotune.study.settings import ExecutionSettings, MeasureSettings, SearchSettings, StudySettings
     from autotune.study.space import load_space
     from autotune.study.storage import check_storage_url
@@ -136,7 +151,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
             name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size,
                                                        args.nnodes, lora),
             storage_url=args.storage, nnodes=args.nnodes, global_batch_size=args.global_batch_size, hub_id=spec.hub_id,
-            lora=lora),
+            lora=lora, trial_depth=parse_trial_depth(args.trial_depth) if args.trial_depth else None),
         search=SearchSettings(trials=args.trials, sampler=args.sampler, seed=args.seed,
                               use_estimate=not args.no_estimate, confirm=args.confirm),
         measure=MeasureSettings(warmup_steps=args.warmup_steps, timed_steps=args.timed_steps or timed_steps,
@@ -144,7 +159,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
         execution=ExecutionSettings(trial_timeout_s=args.trial_timeout, launcher=launcher, device_type=host.device_type,
                                     slots=slots, quiet=args.quiet),
     )
-    check_resumable(settings)
+    settings = _with_trial_depth(settings, check_resumable(settings), model)
     if launcher == "slurm":
         from autotune.launch.multinode import check_launcher
         from autotune.study.storage import study_dir

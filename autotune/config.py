@@ -423,6 +423,10 @@ class TrialRequest:
     quiet_lock: str | None = None
     # LoRA fine-tuning on frozen base weights; None: every parameter trains.
     lora: LoraSpec | None = None
+    # Shallow trial (autotune.depth): copies of the model at these depths are timed, one after the other in this
+    # job, and their line extended to ``full_depth`` blocks; empty: the model as it is.
+    depths: tuple[int, ...] = ()
+    full_depth: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, Mapping):
@@ -464,12 +468,24 @@ class TrialRequest:
             _check_type("timing_budget_s", self.timing_budget_s, float)
             if self.timing_budget_s <= 0:
                 raise ConfigError(f"timing_budget_s={self.timing_budget_s} must be greater than 0")
+        if isinstance(self.depths, list):
+            object.__setattr__(self, "depths", tuple(self.depths))
+        if self.depths:
+            if len(self.depths) < 2 or list(self.depths) != sorted(set(self.depths)) or self.depths[0] < 1:
+                raise ConfigError(f"depths={list(self.depths)} must be two or more increasing block counts")
+            if not isinstance(self.full_depth, int) or self.full_depth <= self.depths[-1]:
+                raise ConfigError(f"full_depth={self.full_depth} must be deeper than the shallow copies {list(self.depths)}")
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["fsdp"] = self.fsdp.to_dict()
         data["lora"] = self.lora.to_dict() if self.lora is not None else None
+        data["depths"] = list(self.depths)
         return data
+
+    def at_full_depth(self) -> TrialRequest:
+        """The same trial on the model as it is."""
+        return dataclasses.replace(self, depths=(), full_depth=None)
 
     def tokens_per_step(self, world_size: int) -> int:
         """Tokens of one optimizer step, every rank and micro batch together."""
@@ -554,6 +570,12 @@ class TrialResult:
     allocator_conf: str | None = None
     # Seconds spent in each phase of the worker, to show where a trial's time goes.
     phases: dict[str, float] = field(default_factory=dict)
+    # A shallow trial (autotune.depth): each copy's timing (DepthPoint.to_dict()), the depth its line was
+    # extended to (the step time, tokens/s and their interval above are that line's figures), and how far a
+    # third copy lay off the line (None with two).
+    depth_points: list[dict[str, Any]] = field(default_factory=list)
+    full_depth: int | None = None
+    line_check: float | None = None
     error: str | None = None
     failed_rank: int | None = None
     exit_code: int | None = None

@@ -177,14 +177,18 @@ def extrapolation_main(args: argparse.Namespace) -> int:
     from autotune.study.space import load_space
 
     work = Path(tempfile.mkdtemp(prefix="autotune-extrapolation-"))
-    forks = ForkServer()
     rows, errors, cost = [], [], {"exact": 0.0, "extrapolated": 0.0}
     families = list(FAMILIES.items())[:1] if args.quick else list(FAMILIES.items())
     for name, (config, lora_targets) in families:
         model = str(work / f"{name}.json")
         Path(model).write_text(json.dumps(config))
+        # A server per family that has imported its model code: each forked estimate starts with it.
+        forks = ForkServer(model=model)
         _, info = probe(model, forks=forks)
-        space = load_space("default").enumerate(info.layer_classes, Topology(2, 1, info.num_params, info.num_layers))
+        # As autotune estimate: each class once, and no hybrid group that does not divide the 2 ranks.
+        space = [c for c in load_space("default").enumerate(info.layer_classes, Topology(2, 1, info.num_params,
+                                                                                          info.num_layers))
+                 if not (c.is_hybrid and c.shard_group_size and 2 % c.shard_group_size)]
         for lora in (None, LoraSpec(rank=8, target_modules=lora_targets or ())):
             fast = EstimatorClient(model, 2, 1, SEQ_LEN, forks=forks, lora=lora)
             whole = EstimatorClient(model, 2, 1, SEQ_LEN, forks=forks, lora=lora, exact=True)
@@ -205,7 +209,7 @@ def extrapolation_main(args: argparse.Namespace) -> int:
                 print(rows[-1], flush=True)
             fast.close()
             whole.close()
-    forks.close()
+        forks.close()
     worst = max(errors) if errors else float("inf")
     unestimated = sum("not estimated" in r for r in rows)
     command = f"python benchmarks/estimator_accuracy.py --extrapolation{' --quick' if args.quick else ''}"

@@ -82,8 +82,22 @@ def test_estimator_accuracy_benchmark_quick(tmp_path):
     assert "3 configurations: median absolute error" in out.read_text()
 
 
+def test_estimator_extrapolation_quick_compares_against_the_whole_step(tmp_path):
+    out = tmp_path / "extrapolation.md"
+    bench("estimator_accuracy.py", "--extrapolation", "--out", str(out), cwd=tmp_path)
+    report = out.read_text()
+    assert "6 configurations compared, 0 not estimated" in report and ("PASS" in report or "MISS" in report)
+
+
 def test_launch_gaps_quick_reports_each_gap_against_its_target(tmp_path):
     out = tmp_path / "gaps.md"
     bench("launch_gaps.py", "--out", str(out), cwd=tmp_path)
     report = out.read_text()
     assert "| 2 |" in report and "gap before it" in report and ("PASS" in report or "MISS" in report)
+
+
+def test_shallow_trials_quick_sets_the_line_beside_the_full_depth(tmp_path):
+    out = tmp_path / "shallow.md"
+    bench("shallow_trials.py", "--out", str(out), cwd=tmp_path)
+    report = out.read_text()
+    assert "extrapolated tok/s" in report and "Spearman" in report and ("PASS" in report or "MISS" in report)

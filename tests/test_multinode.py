@@ -90,8 +90,10 @@ def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
                      "micro_batch_size: 2\n")
+    # Shallow trials: copies of 1 and 2 of llama-tiny's 4 blocks, timed one after the other in each two-node job.
     done = run_cli("run", "--mem-budget", "20GB", "--nnodes", "2", "--nproc", "1", "--space", str(space), "--seq-len", "64",
-                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", cwd=tmp_path, forks=forks)
+                   "--timed-steps", "3", "--trials", "3", "--confirm", "0", "--trial-depth", "1,2", cwd=tmp_path,
+                   forks=forks)
     assert done.returncode == 0, done.stderr[-3000:]
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
     (name,) = optuna.get_all_study_names(storage)
@@ -102,6 +104,10 @@ def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_
     replicated = [t for t in measured if t.user_attrs["config"]["sharding_strategy"] == "NO_SHARD"]
     assert replicated and replicated[0].user_attrs["mesh_shape"] == [2, 1] and replicated[0].user_attrs["nnodes"] == 2
     assert all(t.user_attrs["world_size"] == 2 and t.user_attrs["nproc_per_node"] == 1 for t in measured)
+    for t in measured:
+        assert t.user_attrs["extrapolated"] and t.user_attrs["full_depth"] == 4
+        points = t.user_attrs["depth_points"]
+        assert [p["depth"] for p in points] == [1, 2] and points[0]["step_time_s"] < points[1]["step_time_s"] * 1.5
     doc = json.loads((tmp_path / "studies" / name / "best_config.json").read_text())
     assert doc["nnodes"] == 2
 

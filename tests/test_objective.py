@@ -86,11 +86,11 @@ TWO = "fsdp_version: [1, 2]\nsharding_strategy: FULL_SHARD\nmixed_precision: fp3
 RECIPE = "fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: bf16\nactivation_checkpointing: full\nmicro_batch_size: 1\n"
 
 
-def run(tmp_path, space=TWO, answer=lambda cfg, req: ok(), estimator=None, storage=None, **kw):
+def run(tmp_path, space=TWO, answer=lambda cfg, req: ok(), estimator=None, storage=None, model_info=MODEL, **kw):
     launch = ScriptedLaunch(answer)
     storage = storage or optuna.storages.InMemoryStorage()
-    outcome = run_study(settings(tmp_path, space, use_estimate=estimator is not None, **kw), HOST, MODEL, launch=launch,
-                        estimator=estimator, storage=storage)
+    outcome = run_study(settings(tmp_path, space, use_estimate=estimator is not None, **kw), HOST, model_info,
+                        launch=launch, estimator=estimator, storage=storage)
     return outcome, launch, storage
 
 

@@ -76,15 +76,17 @@ def test_autotune_run_inside_an_allocation_uses_slurm_for_two_nodes(slurm, tmp_p
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
                      "micro_batch_size: 2\n")
+    # A shallow study: each trial times copies of 1 and 2 of llama-tiny's 4 blocks in one job step.
     done = _in_allocation(slurm, tmp_path, sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--nnodes", "2",
                           "--nproc", "1", "--space", str(space), "--seq-len", "64", "--timed-steps", "3", "--trials", "1",
-                          "--confirm", "0", "--no-estimate", timeout=600)
+                          "--confirm", "0", "--trial-depth", "1,2", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
     (name,) = optuna.get_all_study_names(storage)
     trials = optuna.load_study(study_name=name, storage=storage).trials
     measured = [t for t in trials if t.user_attrs.get("status") == "ok"]
     assert measured and all(t.user_attrs["nnodes"] == 2 for t in measured)
+    assert all([p["depth"] for p in t.user_attrs["depth_points"]] == [1, 2] for t in measured)
     # auto chose Slurm: every trial was a job step of the allocation.
     logs = [(tmp_path / t.user_attrs["log_path"]).read_text() for t in measured]
     assert all(log.startswith("autotune: job ") and " srun --ntasks 2 " in log.splitlines()[0] for log in logs)

@@ -25,6 +25,8 @@ class ModelInfo:
     max_positions: int | None = None
     # The width of its residual stream (for the probe's saturation curve); None when unknown.
     hidden_size: int | None = None
+    # After how many blocks its blocks repeat (alternating attention: 2); 1 when alike.
+    block_period: int = 1
 
 
 BF16_FAST_CAPABILITY = (8, 0)
@@ -145,6 +147,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
         class_name=model_data["class_name"],
         max_positions=model_data.get("max_positions"),
         hidden_size=model_data.get("hidden_size"),
+        block_period=model_data.get("block_period", 1),
     )
 
 

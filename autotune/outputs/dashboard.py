@@ -21,6 +21,12 @@ def study_note(study: optuna.Study) -> str:
         "Objective: tokens/s (maximize). Over-budget and out-of-memory trials are infeasible "
         "(constraint: peak memory - budget).",
     ]
+    plan = study.user_attrs.get(StudyAttr.TRIAL_DEPTH) or {}
+    if plan.get("depths"):
+        lines.append(f"\nSearch trials are **extrapolated**: tokens/s timed on shallow copies of "
+                     f"{' and '.join(map(str, plan['depths']))} blocks and extended to the model's {plan.get('full_depth')} "
+                     "(user attribute `extrapolated`), peak memory from the full-depth estimate; the confirmation "
+                     "rounds run the model at full depth.")
     best = winner(study)
     verdict = read_verdict(study)
     if best is None:
@@ -29,8 +35,9 @@ def study_note(study: optuna.Study) -> str:
         lines += confirmation_lines(verdict)
     else:
         peak = best.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0)
+        how = " (extrapolated from shallow copies; peak estimated)" if best.user_attrs.get(Attr.EXTRAPOLATED) else ""
         lines += [
-            f"\n**Best so far: trial {best.number}**: {best.value:,.0f} tokens/s, peak {format_bytes(peak)}.",
+            f"\n**Best so far: trial {best.number}**: {best.value:,.0f} tokens/s, peak {format_bytes(peak)}{how}.",
             f"\n`{best.user_attrs.get(Attr.LABEL)}`",
             "\n```json",
             *[f"{k}: {v}" for k, v in sorted(best.user_attrs.get(Attr.CONFIG, {}).items())],

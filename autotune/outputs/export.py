@@ -61,6 +61,10 @@ def build_export(study: Any, trial: Any, storage_url: str) -> dict[str, Any]:
             "device": attrs.get(Attr.DEVICE),
             "device_name": attrs.get(Attr.DEVICE_NAME),
             "tokens_per_s_ci95": [attrs.get(Attr.TOKENS_PER_S_CI_LOW), attrs.get(Attr.TOKENS_PER_S_CI_HIGH)],
+            # A shallow trial's figures: extended from copies of these depths; its peak is the memory estimate's.
+            **({"extrapolated": {"depths": [p["depth"] for p in attrs[Attr.DEPTH_POINTS]],
+                                 "full_depth": attrs.get(Attr.FULL_DEPTH), "line_check": attrs.get(Attr.LINE_CHECK)}}
+               if attrs.get(Attr.EXTRAPOLATED) else {}),
             **_confirmation(study, cfg, attrs.get(Attr.TOKENS_PER_S)),
         },
         "budget": {"memory_bytes": identity.get("budget_bytes"), "text": study.user_attrs.get(StudyAttr.BUDGET)},

@@ -10,12 +10,14 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import SEARCH_FIELDS
 from autotune.study.record import (
-    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_feasible, trial_config,
+    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_extrapolated, is_feasible, trial_config,
 )  # fmt: skip
 from autotune.study.verdict import Verdict, part_text, read_verdict
 from autotune.units import format_bytes
 
 FEASIBLE = "#1f77b4"
+# How a trial extended from shallow copies is marked (its peak is the full-depth estimate's).
+EXTRAPOLATED_NOTE = " (extrapolated from shallow copies; peak estimated)"
 INFEASIBLE = "#b0b0b0"
 # The search dimensions, as the space defines them; min_num_params is a number
 # within one wrap policy, not a choice worth a box plot of its own.
@@ -50,7 +52,8 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
         fig.add_trace(go.Scatter(
             x=[t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30 for t in group], y=[t.value for t in group],
             mode="markers", name=name, marker={"color": color, "size": 9},
-            text=[f"#{t.number} {t.user_attrs.get(Attr.LABEL)}" for t in group], hovertemplate="%{text}<br>%{y:,.0f} tok/s, %{x:.3g} GiB<extra></extra>",
+            text=[f"#{t.number} {t.user_attrs.get(Attr.LABEL)}{EXTRAPOLATED_NOTE if is_extrapolated(t) else ''}" for t in group],
+            hovertemplate="%{text}<br>%{y:,.0f} tok/s, %{x:.3g} GiB<extra></extra>",
         ))
     front = pareto_front([(t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30, t.value, t.number)
                           for t in trials if is_feasible(t) and t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)])
@@ -133,8 +136,9 @@ def top_table(trials: list[FrozenTrial], limit: int = 10):
     best = sorted((t for t in trials if is_feasible(t)), key=lambda t: -t.value)[:limit]
     fig = go.Figure(go.Table(
         header={"values": ["#", "tokens/s", "peak", "configuration"], "align": "left"},
-        cells={"values": [[t.number for t in best], [f"{t.value:,.0f}" for t in best],
-                          [format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES]) for t in best],
+        cells={"values": [[t.number for t in best],
+                          [f"{'~' if is_extrapolated(t) else ''}{t.value:,.0f}" for t in best],
+                          [format_bytes(t.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0)) for t in best],
                           [t.user_attrs.get(Attr.LABEL) for t in best]], "align": "left"},
         columnwidth=[1, 2, 2, 12],
     ))

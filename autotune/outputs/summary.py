@@ -11,7 +11,7 @@ from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
 from autotune.study.settings import RunSettings
 from autotune.study.record import (
-    Attr, Cause, StudyAttr, crash_signature, first_line, is_confirmation, is_feasible, winner,
+    Attr, Cause, StudyAttr, crash_signature, first_line, is_confirmation, is_extrapolated, is_feasible, winner,
 )  # fmt: skip
 from autotune.study.verdict import Part, Ratio, Role, Verdict, part_text, read_verdict
 from autotune.study.runner import RunOutcome
@@ -78,13 +78,22 @@ def print_top(trials: list, settings: RunSettings) -> None:
         if label not in seen:
             seen.add(label)
             top.append(t)
+    def mark(t) -> str:
+        return "~" if is_extrapolated(t) else ""
+
     rows = [
-        [t.number, f"{t.value:,.0f}", format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES]), t.user_attrs.get(Attr.LABEL)]
+        [t.number, f"{mark(t)}{t.value:,.0f}",
+         f"{mark(t)}{format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES])}" if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES) else "-",
+         t.user_attrs.get(Attr.LABEL)]
         for t in top[:TOP_N]
     ]
     print(f"\nTop configurations of the search, one trial each (budget {settings.study.budget_text} = "
           f"{format_bytes(settings.study.budget_bytes)} per rank):")
     print(format_table(["#", "tokens/s", "peak", "configuration"], rows, right=(0, 1, 2)))
+    shallow = next((t for t in top[:TOP_N] if is_extrapolated(t)), None)
+    if shallow is not None:
+        print(f"  ~ extrapolated: tokens/s from shallow copies of {' and '.join(str(p['depth']) for p in shallow.user_attrs[Attr.DEPTH_POINTS])} "
+              f"blocks extended to the model's {shallow.user_attrs[Attr.FULL_DEPTH]}, peak from the full-depth memory estimate")
 
 
 def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
@@ -94,6 +103,7 @@ def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
             for e, part, roles in verdict.parts()]
     print(f"\nConfirmation: {verdict.rounds} interleaved round(s) of fresh trials:")
     print(format_table(["mean tok/s", "95% CI", "peak", "configuration", "verdict"], rows, right=(0, 1, 2)))
+    print_extrapolation_errors(verdict)
     w = verdict.winner
     print(f"\nBest (confirmed): {w.label}")
     print(f"  {w.mean:,.0f} tokens/s (95% CI {_ci_text(w.ci95)}, {w.rounds} rounds), peak "
@@ -115,12 +125,27 @@ def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
               f"{_speedup_text(ref.ratio_to_winner)}, measured in the same rounds")
 
 
+def print_extrapolation_errors(verdict: Verdict) -> None:
+    """After a shallow search: each finalist's extrapolated figure beside its full-depth mean, and the finalists that
+    failed at full depth (the next took their place)."""
+    rows = [[e.label, f"{e.extrapolated:,.0f}", f"{e.mean:,.0f}", f"{100 * e.extrapolation_error:+.1f}%"]
+            for e, _, _ in verdict.parts() if e.extrapolated]
+    if rows:
+        print("\nThe search's figures were extrapolated from shallow copies; the rounds ran the model at full depth:")
+        print(format_table(["configuration", "extrapolated tok/s", "full depth tok/s", "error"], rows, right=(1, 2, 3)))
+    for dropped in verdict.dropped:
+        print(f"  Dropped: {dropped['label']} failed at full depth ({dropped['cause']}, trial #{dropped['trial']}); "
+              "the next finalist took its place")
+
+
 def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
-    peak = best.user_attrs[Attr.PEAK_MEMORY_BYTES]
+    peak = best.user_attrs.get(Attr.PEAK_MEMORY_BYTES) or 0
     print(f"\nBest (one trial, not confirmed; --confirm N re-measures the finalists): trial #{best.number}: "
           f"{best.user_attrs.get(Attr.LABEL)}")
+    how = (" (extrapolated from shallow copies, never run at full depth; peak from the memory estimate)"
+           if is_extrapolated(best) else "")
     print(f"  {best.value:,.0f} tokens/s, peak {format_bytes(peak)} = {100 * peak / settings.study.budget_bytes:.1f}% "
-          f"of the {settings.study.budget_text} budget")
+          f"of the {settings.study.budget_text} budget{how}")
     baseline = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.BASELINE)), None)
     if baseline is not None and baseline.value:
         print(f"  {best.value / baseline.value:.2f}x the baseline trial #{baseline.number} "
@@ -138,7 +163,7 @@ def best_figures(study) -> tuple[dict, str, float, int] | None:
     best = winner(study)
     if best is None:
         return None
-    return best.user_attrs[Attr.CONFIG], best.user_attrs.get(Attr.LABEL), best.value, best.user_attrs[Attr.PEAK_MEMORY_BYTES]
+    return best.user_attrs[Attr.CONFIG], best.user_attrs.get(Attr.LABEL), best.value, best.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0)
 
 
 def print_other_workload(study, settings: RunSettings) -> None:

@@ -59,6 +59,10 @@ def trial_record(trial: FrozenTrial, budget_bytes: int | None) -> dict[str, Any]
         "confirmation_role": attrs.get(Attr.CONFIRMATION_ROLE),
         "wall_s": attrs.get(Attr.WALL_S),
         "log_path": attrs.get(Attr.LOG_PATH),
+        # A shallow trial: tokens/s extended from copies of these depths to full_depth; its peak is the estimate's.
+        "extrapolated": bool(attrs.get(Attr.EXTRAPOLATED)),
+        "depths": [p["depth"] for p in attrs.get(Attr.DEPTH_POINTS) or ()] or None,
+        "full_depth": attrs.get(Attr.FULL_DEPTH),
     }
 
 
@@ -75,9 +79,14 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: S
 def trials_table(records: list[dict[str, Any]]) -> str:
     rows = []
     for r in records:
-        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
-        peak = format_bytes(r["peak_memory_bytes"]) if r["peak_memory_bytes"] else "-"
+        # "~": extended from shallow copies; the peak is then the full-depth estimate's.
+        mark = "~" if r.get("extrapolated") else ""
+        tps = f"{mark}{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
+        peak = f"{mark}{format_bytes(r['peak_memory_bytes'])}" if r["peak_memory_bytes"] else "-"
         note = r["cause"]
+        if r.get("extrapolated"):
+            note = (f"extrapolated from {'+'.join(map(str, r['depths']))} blocks to {r['full_depth']}, peak estimated"
+                    + (f"; {note}" if note else ""))
         if r["reused_from"] is not None:
             note = f"same as #{r['reused_from']}" + (f"; {note}" if note else "")
         if r["baseline"]:

@@ -49,9 +49,13 @@ def pytorch_defaults(layer_classes: tuple[str, ...], micro_batch_size: int) -> F
 
 
 def choose_finalists(study: optuna.Study) -> list[Any]:
-    """The search trials (one per configuration, best first) within the noise of the best."""
+    """The search trials (one per configuration, best first) within the noise of the best,
+    but those that failed when re-measured at full depth: the next one takes their place."""
+    failed = {k for k in failed_at_full_depth(study)}
     best_per_key: dict[str, Any] = {}
     for t in search_trials(study):
+        if trial_config(t) is not None and trial_config(t).key() in failed:
+            continue
         if is_feasible(t) and t.user_attrs.get(Attr.STATUS) == Status.OK and Attr.REUSED_FROM not in t.user_attrs:
             key = trial_config(t).key()
             if key not in best_per_key or t.value > best_per_key[key].value:
@@ -62,6 +66,24 @@ def choose_finalists(study: optuna.Study) -> list[Any]:
     best = ranked[0]
     floor = min(_ci(best)[0], best.value * (1 - TRIAL_NOISE))
     return [t for t in ranked if _ci(t)[1] >= floor][:MAX_FINALISTS]
+
+
+def failed_at_full_depth(study: optuna.Study) -> dict[str, dict[str, Any]]:
+    """Configurations whose re-measurement failed (out of memory, crash, timeout) and none
+    succeeded, by key: {"label", "cause", "trial"}. A shallow search measured its
+    finalists on copies; the full model can still fail."""
+    failed: dict[str, dict[str, Any]] = {}
+    succeeded: set[str] = set()
+    for t in study.get_trials(deepcopy=False):
+        cfg = trial_config(t)
+        if not is_confirmation(t) or cfg is None or t.state not in (TrialState.COMPLETE, TrialState.FAIL):
+            continue
+        status = t.user_attrs.get(Attr.STATUS)
+        if status == Status.OK:
+            succeeded.add(cfg.key())
+        elif status is not None and t.user_attrs.get(Attr.CONFIRMATION_ROLE) == Role.FINALIST.value:
+            failed.setdefault(cfg.key(), {"label": cfg.describe(), "cause": status, "trial": t.number})
+    return {k: v for k, v in failed.items() if k not in succeeded}
 
 
 def _ci(trial: Any) -> tuple[float, float]:
@@ -106,14 +128,16 @@ def round_entries(study: optuna.Study, host: HostInfo, space: SearchSpace, layer
     return entries
 
 
-def rounds_held(study: optuna.Study, cfg: FsdpConfig) -> set[int]:
-    """The rounds of ``cfg`` measured, queued or running (another tuner's included)."""
+def rounds_held(study: optuna.Study, cfg: FsdpConfig, attempted: bool = False) -> set[int]:
+    """The rounds of ``cfg`` measured, queued or running (another tuner's included);
+    with ``attempted``, those that failed too (not to be run again in this run)."""
     held = set()
     for t in study.get_trials(deepcopy=False):
         if not is_confirmation(t):
             continue
         measured = t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.STATUS) == Status.OK
-        if not (measured or t.state in (TrialState.WAITING, TrialState.RUNNING)):
+        tried = attempted and t.state in (TrialState.COMPLETE, TrialState.FAIL)
+        if not (measured or tried or t.state in (TrialState.WAITING, TrialState.RUNNING)):
             continue
         fixed = t.system_attrs.get("fixed_params")
         cfg_t = trial_config(t) or (FsdpConfig(**fixed, transformer_layer_cls=cfg.transformer_layer_cls) if fixed else None)
@@ -122,11 +146,11 @@ def rounds_held(study: optuna.Study, cfg: FsdpConfig) -> set[int]:
     return held
 
 
-def enqueue_rounds(study: optuna.Study, entries: list[Entry], rounds: int) -> int:
-    """Queue the rounds not yet measured or queued, round by round; returns how many trials were queued.
-    Call it under the study's claims lock: tuners sharing a study queue each round once."""
+def enqueue_rounds(study: optuna.Study, entries: list[Entry], rounds: int, attempted: bool = False) -> int:
+    """Queue the rounds not yet measured or queued (``attempted``: nor failed), round by round; returns
+    how many trials were queued. Call it under the study's claims lock: tuners sharing a study queue each round once."""
     queued = 0
-    held = {e.cfg.key(): rounds_held(study, e.cfg) for e in entries}
+    held = {e.cfg.key(): rounds_held(study, e.cfg, attempted) for e in entries}
     for r in range(1, rounds + 1):
         for e in entries:
             if r not in held[e.cfg.key()]:
@@ -163,7 +187,7 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> Verdict | None:
             # A ratio whose interval reaches 1 (or that one round cannot bound) cannot be told from the winner.
             tie=ratio is not None and (ratio.ci95[1] is None or ratio.ci95[1] >= 1.0))
 
-    described = {e.cfg.key(): describe(e) for e in entries if values[e.cfg.key()]}
+    described = {e.cfg.key(): _with_search_figure(study, e, describe(e)) for e in entries if values[e.cfg.key()]}
     winner = described[top.cfg.key()]
     # The headline compares the winner with the standard recipe as users run it,
     # and with PyTorch's defaults at the winner's own micro batch; a finalist
@@ -178,7 +202,18 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> Verdict | None:
         rounds=max(len(v) for v in values.values()), winner=winner, ties=ties,
         others=tuple(d for d in described.values() if d is not winner and d not in ties
                      and (d.role == Role.FINALIST or d not in references.values())),
-        references=references)
+        references=references, dropped=tuple(failed_at_full_depth(study).values()))
+
+
+def _with_search_figure(study: optuna.Study, entry: Entry, described: VerdictEntry) -> VerdictEntry:
+    """A finalist whose search trial was extrapolated from shallow copies carries that figure, to set beside its
+    full-depth rounds."""
+    if entry.search_trial is None:
+        return described
+    trial = study.trials[entry.search_trial]
+    if not trial.user_attrs.get(Attr.EXTRAPOLATED) or trial.value is None:
+        return described
+    return dataclasses.replace(described, extrapolated=float(trial.value))
 
 
 def paired_ratio(values: dict[int, float], winner: dict[int, float]) -> Ratio | None:

@@ -31,12 +31,13 @@ from autotune.study.optuna_internals import fixed_params
 from autotune.study.gate import MemoryGate
 from autotune.study.settings import RunSettings
 from autotune.study.record import (
-    CONSTRAINT_KEY, Attr, Cause, best_search_trial, copy_measurement, crash_signature, first_line, set_constraint, trial_config,
-    write_failure, write_measurement, write_memory,
+    CONSTRAINT_KEY, Attr, Cause, best_search_trial, copy_measurement, crash_signature, first_line, set_constraint,
+    trial_config, write_extrapolated, write_failure, write_measurement, write_memory,
 )  # fmt: skip
 from autotune.study.progress import Reporter
 from autotune.study.search import ModelSearch, PlannedSampler, config_params
 from autotune.study.space import SearchSpace
+from autotune.study.trial_depth import DepthPlan, StudyDepth
 from autotune.units import format_bytes
 
 # A trial whose first timed steps run below best / ABORT_FACTOR stops there: at
@@ -119,6 +120,29 @@ def record_out_of_memory(trial: optuna.Trial, result: TrialResult, budget_bytes:
     return f"out of memory on rank {result.failed_rank}{under}{reached}: infeasible"
 
 
+def trial_request(settings: RunSettings, cfg: FsdpConfig, quiet_lock: str | None, abort_below: float | None,
+                  depths: tuple[int, ...] = (), full_depth: int | None = None) -> TrialRequest:
+    """The torchrun job of one trial of ``cfg``: the study's question, how to measure it, and its depths."""
+    question, measure = settings.study, settings.measure
+    return TrialRequest(fsdp=cfg, model=question.model, seq_len=question.seq_len, warmup_steps=measure.warmup_steps,
+                        timed_steps=measure.timed_steps, timing_ci=measure.timing_ci,
+                        timing_budget_s=measure.timing_budget_s, seed=settings.search.seed, nnodes=question.nnodes,
+                        grad_accum_steps=settings.grad_accum_steps(cfg.micro_batch_size),
+                        memory_budget_bytes=question.budget_bytes, quiet_lock=quiet_lock, lora=question.lora,
+                        depths=depths, full_depth=full_depth if depths else None, abort_below_tokens_per_s=abort_below)
+
+
+def record_extrapolated(trial: optuna.Trial, result: TrialResult, budget_bytes: int) -> str:
+    """A shallow trial: its line's speed and the fit the full-depth estimate predicted; its line."""
+    peak = write_extrapolated(trial, result, budget_bytes)
+    fit = ("fits by the estimate" if peak is None else f"predicted {format_bytes(peak)}, "
+           + ("fits" if peak <= budget_bytes else f"OVER budget by {format_bytes(peak - budget_bytes)}"))
+    copies = " and ".join(str(p["depth"]) for p in result.depth_points)
+    check = f", the middle copy {100 * result.line_check:+.1f}% off the line" if result.line_check is not None else ""
+    return (f"{result.tokens_per_s:,.0f} tok/s extrapolated from {copies} blocks to {result.full_depth}{check}, {fit}, "
+            f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
+
+
 def topology_of(settings: RunSettings, model: ModelInfo) -> Topology:
     """What decides which configurations of this run are one program."""
     return Topology(settings.world_size, settings.study.nnodes, model.num_params, model.num_layers)
@@ -137,6 +161,8 @@ class Objective:
         # autotune's own search proposes each draw (the sampler delivers it);
         # without it, the study's Optuna sampler draws.
         self.search, self.sampler = search, sampler
+        # How search trials meet the model's depth (the runner hands in the study's plan).
+        self.depth = StudyDepth(DepthPlan("full", model.num_layers))
         self.counts = RunCounts()
         self._lock = threading.RLock()
 
@@ -197,15 +223,10 @@ class Objective:
 
     def _launch(self, trial: optuna.Trial, cfg: FsdpConfig, abort: bool = True) -> float:
         best = self.best_value()
-        question, measure = self.settings.study, self.settings.measure
-        request = TrialRequest(fsdp=cfg, model=question.model, seq_len=question.seq_len,
-                               warmup_steps=measure.warmup_steps, timed_steps=measure.timed_steps,
-                               timing_ci=measure.timing_ci, timing_budget_s=measure.timing_budget_s,
-                               seed=self.settings.search.seed, nnodes=question.nnodes,
-                               grad_accum_steps=self.settings.grad_accum_steps(cfg.micro_batch_size),
-                               memory_budget_bytes=question.budget_bytes, quiet_lock=self.gate.cores.quiet,
-                               lora=question.lora,
-                               abort_below_tokens_per_s=best / ABORT_FACTOR if best and abort else None)
+        # The confirmation rounds measure the model as it is: the verdict is full depth's.
+        depths = () if Attr.CONFIRMATION_ROUND in trial.user_attrs else self.depth.plan.request_depths()
+        request = trial_request(self.settings, cfg, self.gate.cores.quiet, best / ABORT_FACTOR if best and abort else None,
+                                depths, self.depth.plan.full_depth)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)
         # Every trial holds its devices: other tuners on this host wait their turn.
@@ -227,6 +248,10 @@ class Objective:
     def _record(self, trial: optuna.Trial, cfg: FsdpConfig, result: TrialResult, best: float | None) -> float:
         self._note_crash(trial, result)
         budget = self.settings.study.budget_bytes
+        if result.status == Status.OK and result.depth_points:
+            self._line(trial, cfg, record_extrapolated(trial, result, budget))
+            self.depth.after_trial(result.depth_points, result.line_check)
+            return float(result.tokens_per_s)
         if result.status == Status.OK:
             peak = write_measurement(trial, result, budget)
             fit = "fits" if peak <= budget else f"OVER budget by {format_bytes(peak - budget)}"

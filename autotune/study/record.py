@@ -103,6 +103,11 @@ class Attr:
     PREDICTION_METHOD = "prediction_method"
     PREDICTION_MARGIN = "prediction_margin"
     FIT_CHANCE = "fit_chance"  # below 1: predicted near the budget, launched to find out
+    # A shallow trial (autotune.depth): its tokens/s and step time are the line through its copies, extended.
+    EXTRAPOLATED = "extrapolated"  # True on such a trial
+    DEPTH_POINTS = "depth_points"  # each copy's DepthPoint.to_dict()
+    FULL_DEPTH = "full_depth"  # the depth the line was extended to
+    LINE_CHECK = "line_check"  # a third copy's distance off the line, relative (None with two copies)
 
 
 class Cause(Choice):
@@ -133,6 +138,8 @@ class StudyAttr:
     # What the last run spent on memory estimates: fake steps, their seconds, the
     # seconds the search waited for them, configurations judged without one.
     ESTIMATE_COSTS = "estimate_costs"
+    # How the search's trials meet the model's depth (autotune.study.trial_depth.DepthPlan.to_dict()).
+    TRIAL_DEPTH = "trial_depth"
 
 
 # What a reused trial copies from the trial that measured its configuration:
@@ -234,6 +241,32 @@ def write_measurement(trial: Any, result: TrialResult, budget_bytes: int) -> int
     return peak
 
 
+def write_extrapolated(trial: Any, result: TrialResult, budget_bytes: int) -> int | None:
+    """A shallow trial's figures (its speed extended from the copies), and its
+    constraint from the full-depth memory estimate the gate made before launch:
+    a copy's own peak says nothing of the full model's. Returns that peak
+    (None when the gate judged the whole space to fit without estimates)."""
+    for name in MEASURED:
+        trial.set_user_attr(name, getattr(result, name))
+    trial.set_user_attr(Attr.EXTRAPOLATED, True)
+    trial.set_user_attr(Attr.DEPTH_POINTS, result.depth_points)
+    trial.set_user_attr(Attr.FULL_DEPTH, result.full_depth)
+    trial.set_user_attr(Attr.LINE_CHECK, result.line_check)
+    predicted = trial.user_attrs.get(Attr.PREDICTED_DEVICE_PEAK_BYTES)
+    if predicted is None:
+        set_constraint(trial, -1.0)
+        return None
+    trial.set_user_attr(Attr.PEAK_MEMORY_BYTES, int(predicted))
+    trial.set_user_attr(Attr.PEAK_MEMORY_GIB, round(predicted / 2**30, 4))
+    set_constraint(trial, float(predicted - budget_bytes))
+    return int(predicted)
+
+
+def is_extrapolated(trial: Any) -> bool:
+    """Whether a trial's speed was extended from shallow copies, not measured at full depth."""
+    return bool(trial.user_attrs.get(Attr.EXTRAPOLATED))
+
+
 def write_failure(trial: Any, result: TrialResult, cause: str) -> None:
     trial.set_user_attr(Attr.CAUSE, cause)
     trial.set_user_attr(Attr.ERROR, result.error)
@@ -250,8 +283,8 @@ def measured_samples(study: Any, budget_bytes: int) -> list[Sample]:
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         attrs = t.user_attrs
         predicted = attrs.get(Attr.PREDICTED_PEAK_BYTES)
-        if not predicted or Attr.REUSED_FROM in attrs:
-            continue
+        if not predicted or Attr.REUSED_FROM in attrs or attrs.get(Attr.EXTRAPOLATED):
+            continue  # a shallow trial measured no full-depth memory
         outside = attrs.get(Attr.OUTSIDE_ALLOCATOR_BYTES)
         if attrs.get(Attr.STATUS) == Status.OK:
             # Trials recorded before tensor peaks were kept: the device peak less what lies outside.

@@ -36,11 +36,14 @@ from autotune.study.claims import Claims, recover_stale_trials, settle_interrupt
 from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate
 from autotune.study.settings import RunSettings, check_resumable, load_or_create_study, make_sampler
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed, topology_of
-from autotune.study.record import StudyAttr
+from autotune.study.record import StudyAttr, is_extrapolated, search_trials
+from autotune.study.confirm import MAX_FINALISTS
 from autotune.study.progress import Reporter
 from autotune.study.search import ModelSearch, held_keys, host_priors
 from autotune.study.verdict import Role, Verdict, store_verdict
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper, StopReason
+from autotune.study.trial_depth import DepthPlan, StudyDepth, plan_depths
+from autotune.presets import parse_model_spec
 from autotune.study.storage import open_storage, study_dir
 
 # At most this many configurations excluded before launch are kept as examples.
@@ -175,9 +178,41 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
                                         settings.execution.trial_timeout_s + 60),
                           reporter=reporter, folder=folder, search=search,
                           sampler=sampler if search is not None else None)
+    objective.depth = StudyDepth(depth_plan(study, settings, model, reporter.say),
+                                 lambda plan: study.set_user_attr(StudyAttr.TRIAL_DEPTH, plan), reporter.say)
     space_keys = {c.key() for c in candidates} if len(candidates) <= 4 * MAX_IDLE_DRAWS or search else None
     stopper = Stopper(objective.counts, settings.search.trials, space_keys, reporter, search)
     return _Parts(study, settings, host, model, reporter, gate, objective, stopper, forks, search)
+
+
+def depth_plan(study: optuna.Study, settings: RunSettings, model: ModelInfo, say: Callable[[str], None]) -> DepthPlan:
+    """The study's plan for its trials' depth: the one it stored, when made with this
+    setting (a resumed study keeps the depths its line's check chose), else a new one."""
+    setting = settings.study.trial_depth or "auto"
+    stored = study.user_attrs.get(StudyAttr.TRIAL_DEPTH)
+    if stored and stored.get("setting") == setting:
+        return DepthPlan.from_dict(stored)
+    plan = plan_for(settings, model)
+    study.set_user_attr(StudyAttr.TRIAL_DEPTH, plan.to_dict())
+    say(f"Trials: {plan.describe()}.")
+    return plan
+
+
+def plan_for(settings: RunSettings, model: ModelInfo) -> DepthPlan:
+    """The depth plan ``settings`` ask of ``model`` (a UsageError for depths it cannot take)."""
+    return plan_depths(settings.study.trial_depth or "auto", model.num_layers, model.block_period,
+                       _builds_at_any_depth(settings.study.model), settings.search.use_estimate,
+                       tuple(settings.study.space.choices.get("activation_checkpointing", ())))
+
+
+def _builds_at_any_depth(model: str) -> bool:
+    """A preset or a config.json builds at any depth; a module:function factory as it is."""
+    from autotune.errors import UsageError
+
+    try:
+        return parse_model_spec(model).kind != "factory"
+    except UsageError:
+        return False
 
 
 def estimate_cores(settings: RunSettings, host: HostInfo) -> Cores:
@@ -255,20 +290,32 @@ def _enqueue_frontier(parts: _Parts) -> None:
 
 
 def _confirm(parts: _Parts, on_trial_complete) -> Verdict | None:
-    """Re-measure the finalists and the references in interleaved rounds; store and return the verdict."""
+    """Re-measure the finalists and the references in interleaved rounds; store and return the verdict.
+
+    After a shallow search the finalists' rounds are their first full-depth runs: round 1 runs first,
+    and a finalist that fails there (out of memory, a crash) makes way for the next, in a round 1 of its
+    own, before the other rounds are queued."""
     study, settings = parts.study, parts.settings
-    with parts.objective.claims.mutex():
-        entries = confirm.round_entries(study, parts.host, settings.study.space, parts.model.layer_classes, settings.study.nnodes,
-                                        lambda cfg: parts.gate.fit_chance(cfg)[1], parts.objective.topology)
-        queued = confirm.enqueue_rounds(study, entries, settings.search.confirm) if entries else 0
-    if not entries:
-        return None
-    if queued:
-        finalists = sum(e.role == Role.FINALIST for e in entries)
-        parts.reporter.say(f"Confirmation: {finalists} finalist(s) and {len(entries) - finalists} reference(s), "
-                           f"{settings.search.confirm} interleaved round(s); {queued} fresh trial(s) to run.")
-        study.optimize(parts.objective, n_trials=queued, callbacks=[_after_trial(parts, on_trial_complete)],
-                       catch=(TrialFailed,), n_jobs=1)
+    shallow = any(is_extrapolated(t) for t in search_trials(study))
+    finalists: set[str] | None = None
+    for upto in ((1,) * (MAX_FINALISTS + 1) if shallow else ()) + (settings.search.confirm,):
+        with parts.objective.claims.mutex():
+            entries = confirm.round_entries(study, parts.host, settings.study.space, parts.model.layer_classes,
+                                            settings.study.nnodes, lambda cfg: parts.gate.fit_chance(cfg)[1],
+                                            parts.objective.topology)
+            keys = {e.cfg.key() for e in entries if e.role == Role.FINALIST}
+            if upto == 1 and keys == finalists:
+                continue  # round 1 left the finalists as they were
+            finalists = keys
+            queued = confirm.enqueue_rounds(study, entries, upto, attempted=shallow) if entries else 0
+        if not entries:
+            return None
+        if queued:
+            parts.reporter.say(f"Confirmation{' at full depth' if shallow else ''}: {len(keys)} finalist(s) and "
+                               f"{len(entries) - len(keys)} reference(s), {'round 1' if upto == 1 else f'{upto} interleaved round(s)'}; "
+                               f"{queued} fresh trial(s) to run.")
+            study.optimize(parts.objective, n_trials=queued, callbacks=[_after_trial(parts, on_trial_complete)],
+                           catch=(TrialFailed,), n_jobs=1)
     result = confirm.verdict(study, entries)
     if result is not None:
         store_verdict(study, result)

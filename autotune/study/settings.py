@@ -48,6 +48,9 @@ class StudySettings:
     hub_id: str | None = None
     # The workload: LoRA adapters on frozen weights, or (None) full training.
     lora: LoraSpec | None = None
+    # --trial-depth: "auto", "full" or "N,M" (autotune.study.trial_depth); None: what the study was created with,
+    # else "auto".
+    trial_depth: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,10 +123,13 @@ def default_study_name(model_label: str, nproc: int, seq_len: int, budget_text: 
             + (f"-gb{global_batch_size}" if global_batch_size else "") + (f"-{lora.label()}" if lora else ""))
 
 
-STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest", "global_batch_size", "nnodes", "lora")
+STUDY_IDENTITY = ("model", "nproc", "seq_len", "budget_bytes", "space_digest", "global_batch_size", "nnodes", "lora",
+                  "trial_depth")
 # Identity keys added after studies were first stored: a study stored without
 # one was made with this value.
-LATER_IDENTITY = {"global_batch_size": None, "nnodes": 1, "lora": None}
+LATER_IDENTITY = {"global_batch_size": None, "nnodes": 1, "lora": None, "trial_depth": "full"}
+# Identity keys a resumed run may leave unsaid: it takes the study's.
+INHERITED_IDENTITY = ("trial_depth",)
 
 
 def study_identity(settings: RunSettings) -> dict[str, Any]:
@@ -137,22 +143,24 @@ def study_identity(settings: RunSettings) -> dict[str, Any]:
         "nnodes": settings.study.nnodes,
         # A LoRA study never resumes a full one, nor one of another rank or targets.
         "lora": settings.study.lora.to_dict() if settings.study.lora is not None else None,
+        "trial_depth": settings.study.trial_depth,
     }
 
 
-def check_resumable(settings: RunSettings) -> None:
-    """Refuse, before anything is written, to resume a study made for other work."""
+def check_resumable(settings: RunSettings) -> dict[str, Any]:
+    """Refuse, before anything is written, to resume a study made for other work;
+    returns the stored study's identity (empty for a new study)."""
     import optuna
 
     from autotune.study.record import StudyAttr
 
     path = sqlite_path(settings.study.storage_url)
     if path is not None and not path.exists():
-        return
+        return {}
     summaries = optuna.get_all_study_summaries(open_storage(settings.study.storage_url), include_best_trial=False)
     summary = next((s for s in summaries if s.study_name == settings.study.name), None)
     if summary is None:
-        return
+        return {}
     if summary.direction != optuna.study.StudyDirection.MAXIMIZE:
         raise UsageError(
             f"study {settings.study.name!r} exists with direction {summary.direction.name.lower()}, "
@@ -163,15 +171,20 @@ def check_resumable(settings: RunSettings) -> None:
     for key in STUDY_IDENTITY:
         if key not in stored and key in LATER_IDENTITY and stored:
             stored = {**stored, key: LATER_IDENTITY[key]}
+        if key in INHERITED_IDENTITY and identity[key] is None:
+            continue
         if key in stored and stored[key] != identity[key]:
             raise UsageError(
                 f"study {settings.study.name!r} was created with {_shown(key, stored[key])}, not "
                 f"{_shown(key, identity[key])}; rerun with the original settings or choose another --study-name"
             )
+    return stored
 
 
 def _shown(key: str, value: Any) -> str:
     """An identity value as a user reads it: the workload in words, the rest as stored."""
+    if key == "trial_depth":
+        return f"--trial-depth {value}"
     if key != "lora":
         return f"{key}={value!r}"
     if value is None:

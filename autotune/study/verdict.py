@@ -62,6 +62,13 @@ class VerdictEntry:
     peak_memory_bytes: int | None
     ratio_to_winner: Ratio | None  # None for the winner
     tie: bool
+    # A finalist of a shallow search: the tokens/s its copies' line predicted, beside the rounds' full-depth ones.
+    extrapolated: float | None = None
+
+    @property
+    def extrapolation_error(self) -> float | None:
+        """How far the line's figure was from the full-depth mean, relative to it."""
+        return self.extrapolated / self.mean - 1 if self.extrapolated and self.mean else None
 
     @property
     def rounds(self) -> int:
@@ -79,6 +86,8 @@ class Verdict:
     ties: tuple[VerdictEntry, ...]
     others: tuple[VerdictEntry, ...]  # slower finalists, and references that are no finalist
     references: dict[Role, VerdictEntry]  # the entry each reference's comparison uses (a finalist may be one)
+    # Finalists that failed when re-measured at full depth ({"label", "cause", "trial"}): the next took their place.
+    dropped: tuple[dict[str, Any], ...] = ()
 
     def parts(self) -> list[tuple[VerdictEntry, Part, tuple[Role, ...]]]:
         """Each configuration once, winner first, with what it was found to be and the references it also is."""
@@ -127,13 +136,14 @@ def _entry(doc: dict[str, Any]) -> VerdictEntry:
         trial=doc.get("trial"), values=tuple(doc["values"]), mean=doc["mean"], ci95=tuple(doc["ci95"]),
         peak_memory_bytes=doc.get("peak_memory_bytes"),
         ratio_to_winner=Ratio(ratio["mean"], ratio["rounds"], tuple(ratio["ci95"])) if ratio else None,
-        tie=bool(doc["tie"]))
+        tie=bool(doc["tie"]), extrapolated=doc.get("extrapolated"))
 
 
 def from_dict(doc: dict[str, Any]) -> Verdict:
     return Verdict(rounds=doc["rounds"], winner=_entry(doc["winner"]), ties=tuple(_entry(d) for d in doc["ties"]),
                    others=tuple(_entry(d) for d in doc["others"]),
-                   references={Role(r): _entry(d) for r, d in doc["references"].items()})
+                   references={Role(r): _entry(d) for r, d in doc["references"].items()},
+                   dropped=tuple(doc.get("dropped", ())))
 
 
 def read_verdict(study: Any) -> Verdict | None:

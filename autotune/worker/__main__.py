@@ -34,43 +34,105 @@ warnings.filterwarnings("ignore", message="DTensor random operators may not have
 
 
 def run(request: TrialRequest, trial_dir: Path, launched_at: float | None) -> None:
-    from autotune.worker.fsdp import build_mesh, parallelize
-    from autotune.worker.models import build_model
-    from autotune.worker.train import measure
+    from autotune.worker.fsdp import build_mesh
 
     phases: dict[str, float] = {}
     if launched_at:
         phases["launch_and_import_s"] = time.time() - launched_at
     rank = init_distributed(request.device)
-    torch.manual_seed(request.seed)
     mesh = build_mesh(rank.device.type, request.fsdp.sharding_strategy, rank.world_size, request.nnodes,
                       request.fsdp.shard_group_size)
     cap_device(request, rank, mesh)
+    if request.depths:
+        result = shallow_trial(request, rank, mesh, phases)
+    else:
+        result = measure_at_depth(request, rank, mesh, phases)
+    if rank.is_main:
+        write_json_atomic(trial_dir / "result.json", result.to_dict())
+    dist.barrier()
+    dist.destroy_process_group()
 
+
+def measure_at_depth(request: TrialRequest, rank: Any, mesh: Any, phases: dict[str, float],
+                     num_blocks: int | None = None) -> Any:
+    """Build the model (``num_blocks`` of its blocks, or all), wrap it, measure it: the
+    trial's result, complete on rank 0 (a collective: every rank calls it)."""
+    from autotune.worker.fsdp import parallelize
+    from autotune.worker.models import build_model
+    from autotune.worker.train import measure
+
+    torch.manual_seed(request.seed)
     start = time.perf_counter()
-    built = build_model(request.model, request.fsdp.transformer_layer_cls, lora=request.lora)
+    built = build_model(request.model, request.fsdp.transformer_layer_cls, num_blocks=num_blocks, lora=request.lora)
     num_params, trainable = built.count_parameters()
-    phases["build_s"] = time.perf_counter() - start
+    phases["build_s"] = phases.get("build_s", 0.0) + time.perf_counter() - start
 
     start = time.perf_counter()
     model = parallelize(built.module, built.layers, request.fsdp.to_dict(), rank.device, mesh)
-    phases["wrap_s"] = time.perf_counter() - start
+    phases["wrap_s"] = phases.get("wrap_s", 0.0) + time.perf_counter() - start
     if rank.device.type == "cuda":
         # FSDP1 initializes unit by unit; that transient peak is not training's.
         torch.cuda.synchronize(rank.device)
         torch.cuda.reset_peak_memory_stats(rank.device)
 
-    measurement = measure(model, request, built.vocab_size, rank)
-    phases.update(measurement.phases)
+    measurement = measure(model, request, built.vocab_size, rank, memory=num_blocks is None)
+    for name, seconds in measurement.phases.items():
+        phases[name] = phases.get(name, 0.0) + seconds
 
     start = time.perf_counter()
     result = build_result(request, rank, measurement, num_params, phases, tuple(mesh.shape))
     result.trainable_params, result.lora_target_modules = trainable, built.lora_targets
-    if rank.is_main:
-        result.phases["report_s"] = time.perf_counter() - start
-        write_json_atomic(trial_dir / "result.json", result.to_dict())
-    dist.barrier()
-    dist.destroy_process_group()
+    result.phases["report_s"] = time.perf_counter() - start
+    return result
+
+
+def shallow_trial(request: TrialRequest, rank: Any, mesh: Any, phases: dict[str, float]) -> Any:
+    """Time the model's copies at ``request.depths``, one after the other in this job
+    (start-up paid once), and extend their line to the full depth (:mod:`autotune.depth`).
+
+    A copy is not stopped as hopeless: its speed is a shallow model's, not the
+    configuration's. Nor is its memory measured: the full model's fit is the
+    memory estimate's word, and a full-depth confirmation's."""
+    import dataclasses
+    import gc
+
+    from autotune.depth import DepthPoint, interval_at, line_check, step_time_at
+
+    copies = dataclasses.replace(request, abort_below_tokens_per_s=None)
+    results = []
+    for depth in request.depths:
+        results.append((depth, measure_at_depth(copies, rank, mesh, phases, num_blocks=depth)))
+        gc.collect()
+        if rank.device.type == "cuda":
+            torch.cuda.empty_cache()
+    points = [DepthPoint(depth, r.step_time_median_s, *_step_time_interval(r), r.timed_steps, r.peak_memory_bytes)
+              for depth, r in results]
+    deepest = results[-1][1]
+    if deepest.status != Status.OK or any(r.status != Status.OK for _, r in results):
+        failed = next(r for _, r in results if r.status != Status.OK)
+        failed.depth_points, failed.full_depth = [p.to_dict() for p in points if p.step_time_s], request.full_depth
+        return failed
+    full = request.full_depth
+    step_time = step_time_at(points, full)
+    interval = interval_at(points, full)
+    (d0, r0), (d1, r1) = results[0], results[-1]
+    num_params = round(r0.num_params + (full - d0) * (r1.num_params - r0.num_params) / (d1 - d0))
+    trainable = round(r0.trainable_params + (full - d0) * (r1.trainable_params - r0.trainable_params) / (d1 - d0))
+    return dataclasses.replace(
+        deepest, tokens_per_s=deepest.tokens_per_step / step_time, step_time_median_s=step_time,
+        step_time_p10_s=None, step_time_p90_s=None, num_params=num_params, trainable_params=trainable,
+        tokens_per_s_ci_low=deepest.tokens_per_step / interval[1] if interval and interval[1] > 0 else None,
+        tokens_per_s_ci_high=deepest.tokens_per_step / interval[0] if interval and interval[0] > 0 else None,
+        timed_steps=sum(r.timed_steps or 0 for _, r in results), depth_points=[p.to_dict() for p in points],
+        full_depth=full, line_check=line_check(points), phases={k: round(v, 4) for k, v in phases.items()})
+
+
+def _step_time_interval(result: Any) -> tuple[float | None, float | None]:
+    """The 95% interval of a copy's median step time, from that of its tokens/s."""
+    per_step = result.tokens_per_step
+    low = per_step / result.tokens_per_s_ci_high if result.tokens_per_s_ci_high else None
+    high = per_step / result.tokens_per_s_ci_low if result.tokens_per_s_ci_low else None
+    return low, high
 
 
 def cap_device(request: TrialRequest, rank: Any, mesh: Any) -> None:

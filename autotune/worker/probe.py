@@ -207,11 +207,21 @@ def hidden_size(module) -> int | None:
     return None
 
 
+def block_period(layer_types: list | None) -> int:
+    """After how many blocks a model's blocks repeat: 1 when they are alike, else
+    the period of its ``layer_types`` (Gemma's alternating sliding and full attention)."""
+    if not isinstance(layer_types, (list, tuple)) or not layer_types:
+        return 1
+    n = len(layer_types)
+    return next(p for p in range(1, n + 1) if all(layer_types[i] == layer_types[i % p] for i in range(n)))
+
+
 def describe_model(model: str, wrap_class: tuple[str, ...]) -> dict:
     from autotune.worker.models import build_model
 
     built = build_model(model, wrap_class)
     return {
+        "block_period": block_period(getattr(getattr(built.module, "config", None), "layer_types", None)),
         "hidden_size": hidden_size(built.module),
         "num_params": sum(p.numel() for p in built.module.parameters()),
         "layer_classes": list(built.layer_classes),

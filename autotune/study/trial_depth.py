@@ -1,0 +1,181 @@
+"""Which depth a study's trials run at: the model as it is, or shallow copies whose line is extended to it.
+
+``--trial-depth`` is ``auto`` (the default), ``full`` or two depths ``N,M``.
+``auto`` uses copies of :data:`DEPTHS` blocks when the model's depth makes a
+trial at least twice cheaper that way (the copies together have at most half
+its blocks), and full depth otherwise, with the reason: llama-tiny's 4 blocks
+run whole. The study's first shallow trial also times a third copy (12
+blocks beside 4 and 8); when that copy lies off the line through the other two
+by more than the timing noise allows, the study goes on with deeper copies
+(twice as deep, while still at most half the model) or at full depth, and says
+why (:func:`after_check`). Fit is never a shallow copy's word: it stays the
+full-depth memory estimate's, so a study without estimates runs at full depth.
+The plan is stored on the study, which keeps it when resumed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Mapping
+
+from autotune.errors import UsageError
+
+SETTINGS = ("auto", "full")
+# The copies a deep model's trials time first (the check's third is as far beyond the deeper as they are apart).
+DEPTHS = (4, 8)
+# How far the third copy may lie off the line (relative to its step time), beyond its own timing noise.
+LINE_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class DepthPlan:
+    """How a study's search trials meet the model's depth."""
+
+    setting: str  # "auto", "full" or "N,M", as given
+    full_depth: int | None  # the model's blocks (None: unknown)
+    depths: tuple[int, ...] = ()  # the copies' depths; empty: the model as it is
+    reason: str = ""  # why, in words
+    # The line's check, once the first shallow trial ran it: its depths, how far off, and the verdict.
+    check: dict[str, Any] | None = None
+
+    @property
+    def shallow(self) -> bool:
+        return bool(self.depths)
+
+    def request_depths(self) -> tuple[int, ...]:
+        """The depths the next search trial times: with the check's third copy until it has run."""
+        if not self.shallow or self.check is not None or self.setting != "auto":
+            return self.depths
+        third = _check_depth(self.depths)
+        return self.depths + (third,) if third is not None and third < (self.full_depth or 0) else self.depths
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["depths"] = list(self.depths)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DepthPlan:
+        return cls(setting=data["setting"], full_depth=data.get("full_depth"), depths=tuple(data.get("depths") or ()),
+                   reason=data.get("reason", ""), check=data.get("check"))
+
+    def describe(self) -> str:
+        if not self.shallow:
+            return f"full depth ({self.reason})" if self.reason else "full depth"
+        return (f"shallow copies of {' and '.join(map(str, self.depths))} blocks extended to {self.full_depth}"
+                + (f" ({self.reason})" if self.reason else ""))
+
+
+def parse_trial_depth(text: str) -> str:
+    """``auto``, ``full`` or ``N,M`` (two increasing block counts); a UsageError names anything else."""
+    value = text.strip().lower()
+    if value in SETTINGS:
+        return value
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) == 2 and all(p.isdigit() for p in parts) and 0 < int(parts[0]) < int(parts[1]):
+        return f"{int(parts[0])},{int(parts[1])}"
+    raise UsageError(f"--trial-depth {text}: give auto, full, or two block counts N,M with N < M (like 4,8)")
+
+
+def plan_depths(setting: str, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
+                space_checkpointing: tuple[str, ...] = ()) -> DepthPlan:
+    """The study's plan, from the setting and the model (``num_layers`` identical
+    blocks repeating every ``block_period``; ``buildable``: a copy of another depth
+    can be built, as for a transformers config) and whether memory is estimated."""
+    if setting == "full":
+        return DepthPlan(setting, num_layers)
+    why_not = _why_full_depth(num_layers, buildable, estimated)
+    if setting != "auto":
+        depths = tuple(int(p) for p in setting.split(","))
+        if why_not is not None:
+            raise UsageError(f"--trial-depth {setting}: {why_not}; use --trial-depth full")
+        if depths[-1] >= num_layers:
+            raise UsageError(f"--trial-depth {setting}: the model has {num_layers} blocks; give copies shallower than "
+                             "that, or --trial-depth full")
+        return DepthPlan(setting, num_layers, depths, "as asked")
+    if why_not is not None:
+        return DepthPlan(setting, num_layers, reason=why_not)
+    # Checkpointing every other block repeats in pairs; a model's own pattern (alternating attention) in its period.
+    unit = _lcm(block_period, 2 if "every_other_layer" in space_checkpointing else 1)
+    low = _round_up(DEPTHS[0], unit)
+    depths = (low, max(low + unit, _round_up(DEPTHS[1], unit)))
+    if 2 * sum(depths) > num_layers:
+        return DepthPlan(setting, num_layers, reason=f"{num_layers} blocks: copies of {depths[0]} and {depths[1]} "
+                                                     "would not make a trial twice cheaper")
+    return DepthPlan(setting, num_layers, depths, f"{num_layers} blocks")
+
+
+def after_check(plan: DepthPlan, points: list[Mapping[str, Any]], line_check: float | None) -> DepthPlan:
+    """The plan once the first shallow trial timed its three copies: kept when the
+    middle copy lies on the line through the others within the timing noise,
+    else deeper copies, else full depth; the check is recorded either way."""
+    if plan.check is not None or line_check is None or len(points) < 3:
+        return plan
+    middle = sorted(points, key=lambda p: p["depth"])[1]
+    noise = _relative_half_width(middle)
+    allowed = LINE_TOLERANCE + noise
+    check = {"depths": [p["depth"] for p in points], "off_by": round(line_check, 4), "allowed": round(allowed, 4)}
+    if abs(line_check) <= allowed:
+        return replace(plan, check={**check, "verdict": "on the line"})
+    deeper = tuple(2 * d for d in plan.depths)
+    off = (f"the copy of {middle['depth']} blocks lay {100 * abs(line_check):.0f}% off the line through "
+           f"{points[0]['depth']} and {points[-1]['depth']} (timing noise allows {100 * allowed:.0f}%)")
+    if 2 * sum(deeper) <= (plan.full_depth or 0):
+        return replace(plan, depths=deeper, reason=f"{off}: deeper copies",
+                       check={**check, "verdict": f"off the line: copies of {deeper[0]} and {deeper[1]} blocks"})
+    return replace(plan, depths=(), reason=f"{off}, and deeper copies would not make a trial twice cheaper",
+                   check={**check, "verdict": "off the line: full depth"})
+
+
+def _why_full_depth(num_layers: int | None, buildable: bool, estimated: bool) -> str | None:
+    if not buildable or not num_layers:
+        return "a module:function model is built as it is, at one depth"
+    if not estimated:
+        return "without memory estimates (--no-estimate) only a full-depth trial shows whether the model fits"
+    return None
+
+
+def _check_depth(depths: tuple[int, ...]) -> int | None:
+    step = depths[-1] - depths[0]
+    return depths[-1] + step if step > 0 else None
+
+
+def _relative_half_width(point: Mapping[str, Any]) -> float:
+    low, high, t = point.get("ci_low_s"), point.get("ci_high_s"), point.get("step_time_s")
+    if not low or not high or not t:
+        return 0.0
+    return (high - low) / 2 / t
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def _lcm(a: int, b: int) -> int:
+    from math import gcd
+
+    return a * b // gcd(a, b)
+
+
+class StudyDepth:
+    """A study's depth plan, shared by the threads of its device slots: what search
+    trials time, updated once, by the line's check of the first shallow trial."""
+
+    def __init__(self, plan: DepthPlan, store: Callable[[dict[str, Any]], None] = lambda _: None,
+                 say: Callable[[str], None] = lambda _: None) -> None:
+        self.plan = plan
+        self._store, self._say = store, say
+        self._lock = threading.Lock()
+
+    def after_trial(self, points: list[Mapping[str, Any]], line_check: float | None) -> None:
+        """Apply a shallow trial's check of its line (:func:`after_check`), store the plan and say what changed."""
+        if line_check is None:
+            return
+        with self._lock:
+            plan = after_check(self.plan, points, line_check)
+            if plan == self.plan:
+                return
+            self.plan = plan
+            self._store(plan.to_dict())
+        self._say(f"Trial depth: {plan.check['verdict']}; {plan.describe()}.")

@@ -1,0 +1,208 @@
+"""Shallow trials against full-depth ones: accuracy, order, and a whole study of each, on this machine.
+
+    python benchmarks/shallow_trials.py [--quick] [--repeats N] [--no-study] [--out benchmarks/results/shallow_trials_cpu.md]
+
+A Llama-shaped config.json of 32 blocks (hidden size 256, vocab 4096), 2 ranks,
+seq len 128. Part 1: 12 configurations that span sharding, checkpointing,
+precision, micro batch and FSDP1/2, each measured ``--repeats`` times (default
+3) as a shallow trial (copies of 4 and 8 blocks, the line extended to 32) and
+as a full-depth trial, in interleaved rounds (every configuration and both
+kinds once per round, in a fresh random order). Figures: the extrapolated
+tokens/s against the full-depth mean, median and largest error (targets <= 5%
+and <= 10%); Spearman's rank correlation of the two orders; whether the top by
+extrapolation is within the full-depth measurements' noise of the true top.
+Part 2: ``autotune run`` at the defaults (16 launches, 3 confirmation rounds)
+with ``--trial-depth full`` and with ``auto``, same budget: the median wall
+per search launch (target: auto <= 1/3 of full), the whole study (<= 1/2), and
+whether auto's confirmed winner is full depth's or a tie it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from autotune.config import FsdpConfig, TrialRequest
+from autotune.launch.forkserver import ForkServer
+from autotune.launch.launcher import launch_trial
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reporting import machine, publish  # noqa: E402
+
+LLAMA32 = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 32,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 4096, "max_position_embeddings": 2048,
+           "tie_word_embeddings": False}
+SEQ_LEN = 128
+LAYER = ("LlamaDecoderLayer",)
+DEPTHS = (4, 8)
+BUDGET = "400MiB"
+
+
+def configurations(quick: bool) -> list[FsdpConfig]:
+    def cfg(**fields) -> FsdpConfig:
+        return FsdpConfig(transformer_layer_cls=LAYER, **fields)
+
+    chosen = [
+        cfg(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="full", micro_batch_size=8),
+        cfg(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="none", micro_batch_size=2),
+        cfg(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP", mixed_precision="bf16", activation_checkpointing="full",
+            micro_batch_size=8),
+        cfg(fsdp_version=2, sharding_strategy="NO_SHARD", mixed_precision="bf16", activation_checkpointing="selective",
+            micro_batch_size=4),
+        cfg(fsdp_version=2, mixed_precision="fp32", activation_checkpointing="none", micro_batch_size=2),
+        cfg(fsdp_version=2, mixed_precision="bf16_fp32_reduce", activation_checkpointing="every_other_layer",
+            micro_batch_size=4),
+        cfg(fsdp_version=1, mixed_precision="bf16", activation_checkpointing="full", micro_batch_size=8),
+        cfg(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP", mixed_precision="bf16", activation_checkpointing="none",
+            micro_batch_size=2),
+        cfg(fsdp_version=1, sharding_strategy="NO_SHARD", mixed_precision="fp32", activation_checkpointing="full",
+            micro_batch_size=4),
+        cfg(fsdp_version=1, mixed_precision="fp32", activation_checkpointing="selective", micro_batch_size=1),
+        cfg(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="selective", micro_batch_size=4,
+            forward_prefetch=True),
+        cfg(fsdp_version=1, mixed_precision="bf16", auto_wrap_policy="size_based", min_num_params=1_000_000,
+            activation_checkpointing="full", micro_batch_size=4),
+    ]
+    return chosen[:2] if quick else chosen
+
+
+def accuracy(model: str, configs: list[FsdpConfig], repeats: int, depths: tuple[int, ...], full: int,
+             work: Path) -> list[dict]:
+    """Each configuration shallow and whole, ``repeats`` interleaved rounds; the tokens/s of each."""
+    forks = ForkServer(model=model)
+    figures = [{"cfg": c, "shallow": [], "full": [], "shallow_s": [], "full_s": []} for c in configs]
+    rng = random.Random(0)
+    try:
+        for round_ in range(repeats):
+            order = [(i, kind) for i in range(len(configs)) for kind in ("shallow", "full")]
+            rng.shuffle(order)
+            for i, kind in order:
+                request = TrialRequest(fsdp=configs[i], model=model, seq_len=SEQ_LEN,
+                                       **({"depths": depths, "full_depth": full} if kind == "shallow" else {}))
+                outcome = launch_trial(request, work / f"{round_}-{i}-{kind}", 2, 900, forks=forks)
+                if outcome.result.status != "ok":
+                    raise SystemExit(f"{kind} trial of {configs[i].describe()} failed: {outcome.result.error}")
+                figures[i][kind].append(outcome.result.tokens_per_s)
+                figures[i][f"{kind}_s"].append(outcome.wall_s)
+                print(f"round {round_ + 1} {kind:7s} {outcome.result.tokens_per_s:8,.0f} tok/s {outcome.wall_s:5.1f}s "
+                      f"{configs[i].describe()}", flush=True)
+    finally:
+        forks.close()
+    return figures
+
+
+def run_study(model: str, depth: str, work: Path, launches: int, rounds: int) -> dict:
+    """One ``autotune run`` in a folder of its own: wall time, per-launch walls, the verdict."""
+    import optuna
+
+    from autotune.study.record import Attr
+    from autotune.study.verdict import read_verdict
+
+    folder = work / f"study-{depth}"
+    folder.mkdir()
+    start = time.time()
+    done = subprocess.run([sys.executable, "-m", "autotune", "run", "--mem-budget", BUDGET, "--model", model,
+                           "--seq-len", str(SEQ_LEN), "--trials", str(launches), "--confirm", str(rounds),
+                           "--trial-depth", depth, "--quiet"], cwd=folder, capture_output=True, text=True, timeout=7200)
+    wall = time.time() - start
+    if done.returncode != 0:
+        raise SystemExit(f"autotune run --trial-depth {depth} failed: {done.stderr[-2000:]}")
+    storage = f"sqlite:///{folder / 'studies' / 'autotune.db'}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
+    search = [t.user_attrs[Attr.WALL_S] for t in study.trials
+              if Attr.WALL_S in t.user_attrs and Attr.CONFIRMATION_ROUND not in t.user_attrs]
+    confirm = [t.user_attrs[Attr.WALL_S] for t in study.trials if Attr.CONFIRMATION_ROUND in t.user_attrs]
+    verdict = read_verdict(study)
+    return {"wall": wall, "search": search, "confirm": confirm,
+            "winner": verdict.winner.label if verdict else None,
+            "ties": [t.label for t in verdict.ties] if verdict else [],
+            "summary": done.stdout.strip().splitlines()[-12:]}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 configurations of an 8-block copy, one round, no study")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-study", action="store_true", help="part 1 only")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="autotune-shallow-"))
+    config = {**LLAMA32, "num_hidden_layers": 8} if args.quick else LLAMA32
+    model = str(work / "llama.json")
+    Path(model).write_text(json.dumps(config))
+    full, depths = config["num_hidden_layers"], ((1, 2) if args.quick else DEPTHS)
+    figures = accuracy(model, configurations(args.quick), 1 if args.quick else args.repeats, depths, full, work)
+    rows, errors = [], []
+    for f in figures:
+        shallow, whole = statistics.fmean(f["shallow"]), statistics.fmean(f["full"])
+        error = shallow / whole - 1
+        errors.append(abs(error))
+        noise = statistics.stdev(f["full"]) / whole if len(f["full"]) > 1 else float("nan")
+        rows.append(f"| {f['cfg'].describe()} | {shallow:,.0f} | {whole:,.0f} ({100 * noise:.1f}%) | {100 * error:+.1f}% | "
+                    f"{statistics.median(f['shallow_s']):.1f} | {statistics.median(f['full_s']):.1f} |")
+    shallow_means = [statistics.fmean(f["shallow"]) for f in figures]
+    full_means = [statistics.fmean(f["full"]) for f in figures]
+    rho = spearman(shallow_means, full_means) if len(figures) > 2 else float("nan")
+    top_by_line = max(range(len(figures)), key=lambda i: shallow_means[i])
+    top = max(range(len(figures)), key=lambda i: full_means[i])
+    top_noise = max(statistics.stdev(figures[top]["full"]) / full_means[top] if len(figures[top]["full"]) > 1 else 0, 0.03)
+    top_ok = full_means[top_by_line] >= full_means[top] * (1 - 2 * top_noise)
+    median, worst = statistics.median(errors), max(errors)
+    launch_ratio = (statistics.median(f for g in figures for f in g["shallow_s"])
+                    / statistics.median(f for g in figures for f in g["full_s"]))
+    verdict = lambda ok: "PASS" if ok else "MISS"  # noqa: E731
+    lines = [f"# Shallow trials against full-depth ones ({'quick' if args.quick else 'full'}), "
+             f"{datetime.date.today().isoformat()}", "",
+             f"Machine: {machine()}. A {full}-block Llama-shaped config (hidden 256, vocab 4096), 2 ranks, seq len "
+             f"{SEQ_LEN}; shallow trials time copies of {' and '.join(map(str, depths))} blocks in one torchrun job and "
+             f"extend their line. Command: `python benchmarks/shallow_trials.py{' --quick' if args.quick else ''}`.", "",
+             f"## Accuracy and order: {len(figures)} configurations, {len(figures[0]['full'])} interleaved round(s) each", "",
+             "| configuration | extrapolated tok/s | full depth tok/s (CV) | error | shallow wall s | full wall s |",
+             "|---|---:|---:|---:|---:|---:|", *rows, "",
+             f"- error of the extrapolated mean against the full-depth mean: median {100 * median:.1f}% (target <= 5%: "
+             f"{verdict(median <= 0.05)}), largest {100 * worst:.1f}% (target <= 10%: {verdict(worst <= 0.10)})",
+             f"- Spearman's rank correlation of the two orders: {rho:.2f}",
+             f"- the top by extrapolation ({figures[top_by_line]['cfg'].describe()}) against the true top "
+             f"({figures[top]['cfg'].describe()}): {full_means[top_by_line] / full_means[top]:.3f}x at full depth "
+             f"(within the full-depth noise, 2 x {100 * top_noise:.1f}%: {verdict(top_ok)})",
+             f"- median wall per trial, shallow against full depth: {launch_ratio:.2f} (target <= 1/3: "
+             f"{verdict(launch_ratio <= 1 / 3)})", ""]
+    if not args.quick and not args.no_study:
+        studies = {depth: run_study(model, depth, work, 16, 3) for depth in ("full", "auto")}
+        full_s, auto_s = studies["full"], studies["auto"]
+        per_launch = statistics.median(auto_s["search"]) / statistics.median(full_s["search"])
+        whole = auto_s["wall"] / full_s["wall"]
+        same = auto_s["winner"] == full_s["winner"] or full_s["winner"] in auto_s["ties"] or auto_s["winner"] in full_s["ties"]
+        lines += ["## A whole study, `--trial-depth full` against `auto` (16 launches, 3 confirmation rounds, "
+                  f"{BUDGET})", "",
+                  "| trial depth | study wall s | search launches | median wall per launch s | confirmation trials | "
+                  "confirmed winner | ties |", "|---|---:|---:|---:|---:|---|---|"]
+        for depth, s in studies.items():
+            lines.append(f"| {depth} | {s['wall']:.0f} | {len(s['search'])} | {statistics.median(s['search']):.1f} | "
+                         f"{len(s['confirm'])} | {s['winner']} | {'; '.join(s['ties']) or '-'} |")
+        lines += ["", f"- median wall per search launch, auto over full: {per_launch:.2f} (target <= 1/3: "
+                      f"{verdict(per_launch <= 1 / 3)})",
+                  f"- the whole study, auto over full: {whole:.2f} (target <= 1/2: {verdict(whole <= 0.5)})",
+                  f"- auto's confirmed winner is full depth's or a tie named: {verdict(same)}", "",
+                  "Summaries:", "", "```", *[f"[{d}] {line}" for d, s in studies.items() for line in s["summary"]], "```"]
+    publish("\n".join(lines), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Shallow trials: the depth plan, the record of both copies, the full-depth confirmation, a resumed study's depth.
+
+Through the seams of tests/test_objective.py: a scripted launch that answers as a shallow trial's worker does
+(each copy's timing, the line's figure), no process started. The worker's own shallow trial runs for real in
+tests/test_multinode.py and tests/test_slurm.py.
+"""
+
+import dataclasses
+
+import optuna
+import pytest
+
+from autotune.config import TrialResult
+from autotune.depth import DepthPoint, interval_at, line_check, step_time_at
+from autotune.errors import UsageError
+from autotune.study.record import Attr, StudyAttr, is_extrapolated
+from autotune.study.trial_depth import DepthPlan, after_check, parse_trial_depth, plan_depths
+from tests.test_objective import MODEL, MiB, ScriptedEstimator, ok, run, settings
+
+SPACE = ("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP]\nmixed_precision: bf16\n"
+         "activation_checkpointing: [none, full]\nmicro_batch_size: [1, 2]\n")
+DEEP = dataclasses.replace(MODEL, num_layers=32)
+
+
+def test_the_line_through_the_copies_predicts_the_full_depth():
+    # 0.1 s of fixed cost and 0.04 s a block, as a 32-block decoder measured here (issue 36).
+    points = [DepthPoint(d, 0.1 + 0.04 * d, 0.1 + 0.04 * d - 0.01, 0.1 + 0.04 * d + 0.01) for d in (4, 8)]
+    assert step_time_at(points, 32) == pytest.approx(0.1 + 0.04 * 32)
+    low, high = interval_at(points, 32)
+    assert low < step_time_at(points, 32) < high
+    off = [*points[:1], DepthPoint(8, 0.42 * 1.1), DepthPoint(12, 0.1 + 0.04 * 12)]
+    assert line_check(off) == pytest.approx((0.42 * 1.1 - 0.42) / (0.42 * 1.1)) and line_check(points) is None
+
+
+def test_auto_shallows_a_deep_model_and_keeps_a_shallow_one_whole_saying_why():
+    assert plan_depths("auto", 32, 1, True, True).depths == (4, 8)
+    tiny = plan_depths("auto", 4, 1, True, True)  # llama-tiny: as it is, as the default run always was
+    assert not tiny.shallow and "twice cheaper" in tiny.reason
+    assert not plan_depths("auto", 32, 1, True, estimated=False).shallow  # fit needs the full-depth estimate
+    assert "module:function" in plan_depths("auto", 32, 1, buildable=False, estimated=True).reason
+    assert not plan_depths("full", 80, 1, True, True).shallow
+    # Blocks that repeat in pairs (alternating attention, or checkpointing every other block): copies of whole pairs.
+    assert plan_depths("auto", 48, 2, True, True).depths == (4, 8)
+    assert plan_depths("auto", 80, 3, True, True).depths == (6, 9)
+    assert plan_depths("auto", 120, 10, True, True).depths == (10, 20)  # whole repeating units, two of them
+    assert plan_depths("4,16", 32, 1, True, True).depths == (4, 16)
+    with pytest.raises(UsageError, match="32 blocks"):
+        plan_depths("4,40", 32, 1, True, True)
+    for bad in ("deep", "8,4", "0,4", "4"):
+        with pytest.raises(UsageError, match=f"--trial-depth {bad}: give auto, full, or two block counts"):
+            parse_trial_depth(bad)
+
+
+def test_the_check_keeps_the_copies_on_the_line_and_goes_deeper_or_whole_off_it():
+    plan = plan_depths("auto", 48, 1, True, True)
+    assert plan.request_depths() == (4, 8, 12)  # the first shallow trial times a third copy
+    points = [{"depth": d, "step_time_s": 0.1 + 0.04 * d, "ci_low_s": None, "ci_high_s": None} for d in (4, 8, 12)]
+    kept = after_check(plan, points, 0.02)
+    assert kept.depths == (4, 8) and kept.check["verdict"] == "on the line" and kept.request_depths() == (4, 8)
+    deeper = after_check(plan, points, 0.2)
+    assert deeper.depths == (8, 16) and "20% off the line" in deeper.reason
+    whole = after_check(dataclasses.replace(plan, full_depth=32), points, 0.2)
+    assert not whole.shallow and "full depth" in whole.check["verdict"]
+
+
+def shallow(tokens: float, depths=(4, 8), full: int = 32, check: float | None = None) -> TrialResult:
+    """What a shallow trial's worker returns: each copy's timing, and the line's figures at the full depth."""
+    points = [DepthPoint(d, 0.1 * d, 0.09 * d, 0.11 * d, 6).to_dict() for d in depths]
+    return TrialResult(status="ok", tokens_per_s=tokens, step_time_median_s=1.0, world_size=2, device="cpu",
+                       depth_points=points, full_depth=full, line_check=check)
+
+
+def answer_by_depth(speeds, full_depth_answer=None):
+    """Shallow requests get the line's figure of the configuration, full-depth ones ``full_depth_answer``."""
+    def answer(cfg, request):
+        if request.depths:
+            assert request.full_depth == 32
+            return shallow(speeds(cfg), request.depths, check=0.01 if len(request.depths) == 3 else None)
+        return (full_depth_answer or (lambda c: ok(speeds(c) * 0.95)))(cfg)
+    return answer
+
+
+def speed(cfg) -> float:
+    return 1000.0 * cfg.micro_batch_size * (1.2 if cfg.sharding_strategy == "SHARD_GRAD_OP" else 1.0) * (
+        0.8 if cfg.activation_checkpointing == "full" else 1.0)
+
+
+def peak(cfg) -> int:
+    # Everything fits the 100 MiB budget, but not with the room that would spare the estimates.
+    return 45 * MiB * cfg.micro_batch_size
+
+
+def test_a_shallow_search_records_both_copies_and_confirms_at_full_depth(tmp_path, monkeypatch):
+    import autotune.study.runner as runner
+
+    monkeypatch.setattr(runner, "_builds_at_any_depth", lambda model: True)
+    outcome, launch, _ = run(tmp_path, SPACE, answer_by_depth(speed), estimator=ScriptedEstimator(peak), trials=5,
+                             confirm=2, model_info=DEEP)
+    study = outcome.study
+    plan = DepthPlan.from_dict(study.user_attrs[StudyAttr.TRIAL_DEPTH])
+    assert plan.depths == (4, 8) and plan.check["verdict"] == "on the line"
+    search = [t for t in study.trials if Attr.CONFIRMATION_ROUND not in t.user_attrs and t.user_attrs.get(Attr.STATUS)]
+    assert all(is_extrapolated(t) for t in search)
+    first = search[0]
+    assert [p["depth"] for p in first.user_attrs[Attr.DEPTH_POINTS]] == [4, 8, 12]
+    assert [p["depth"] for p in search[1].user_attrs[Attr.DEPTH_POINTS]] == [4, 8]
+    assert first.user_attrs[Attr.FULL_DEPTH] == 32 and first.user_attrs[Attr.LINE_CHECK] == 0.01
+    # Fit is the estimate's word: the predicted device peak, not a copy's.
+    assert first.user_attrs[Attr.PEAK_MEMORY_BYTES] == first.user_attrs[Attr.PREDICTED_DEVICE_PEAK_BYTES]
+    rounds = [t for t in study.trials if Attr.CONFIRMATION_ROUND in t.user_attrs]
+    assert rounds and not any(is_extrapolated(t) for t in rounds)
+    winner = outcome.verdict.winner
+    assert winner.extrapolated and winner.mean == pytest.approx(winner.extrapolated * 0.95)
+    assert winner.extrapolation_error == pytest.approx(1 / 0.95 - 1)
+
+
+def test_a_finalist_that_fails_at_full_depth_makes_way_for_the_next(tmp_path, monkeypatch):
+    import autotune.study.runner as runner
+    from autotune.study.verdict import read_verdict
+
+    monkeypatch.setattr(runner, "_builds_at_any_depth", lambda model: True)
+    fastest = {"sharding_strategy": "SHARD_GRAD_OP", "activation_checkpointing": "none", "micro_batch_size": 2}
+
+    def at_full_depth(cfg):
+        if all(getattr(cfg, k) == v for k, v in fastest.items()):
+            return TrialResult(status="oom", error="CUDA out of memory", failed_rank=0, peak_memory_bytes=99 * MiB)
+        return ok(speed(cfg))
+
+    outcome, _, _ = run(tmp_path, SPACE, answer_by_depth(speed, at_full_depth), estimator=ScriptedEstimator(peak),
+                        trials=8, confirm=2, model_info=DEEP)
+    verdict = read_verdict(outcome.study)
+    assert [d["label"] for d in verdict.dropped] == ["FSDP2 SHARD_GRAD_OP wrap=layer bf16 ac=none mbs=2"]
+    assert any(verdict.winner.config[k] != v for k, v in fastest.items())
+    assert verdict.dropped[0]["cause"] == "oom"
+
+
+def test_a_resumed_study_keeps_its_depth_and_refuses_another_in_one_line(tmp_path, monkeypatch, capsys):
+    from autotune.study.settings import check_resumable
+
+    storage = f"sqlite:///{tmp_path}/depth.db"
+    first = settings(tmp_path, SPACE)
+    first = dataclasses.replace(first, study=dataclasses.replace(first.study, storage_url=storage, trial_depth="auto"))
+    from autotune.study.settings import load_or_create_study
+    from autotune.study.storage import open_storage
+
+    load_or_create_study(first, open_storage(storage))
+    unsaid = dataclasses.replace(first, study=dataclasses.replace(first.study, trial_depth=None))
+    assert check_resumable(unsaid)["trial_depth"] == "auto"  # a rerun without the flag takes the study's
+    changed = dataclasses.replace(first, study=dataclasses.replace(first.study, trial_depth="full"))
+    with pytest.raises(UsageError, match="created with --trial-depth auto, not --trial-depth full"):
+        check_resumable(changed)
+    older = optuna.load_study(study_name="s", storage=storage)
+    identity = dict(older.user_attrs[StudyAttr.IDENTITY])
+    del identity["trial_depth"]  # a study from before shallow trials ran at full depth
+    older.set_user_attr(StudyAttr.IDENTITY, identity)
+    assert check_resumable(unsaid)["trial_depth"] == "full"
+
+
+def test_a_model_whose_blocks_alternate_repeats_by_its_pattern():
+    from autotune.worker.probe import block_period
+
+    assert block_period(None) == 1 and block_period(["full_attention"] * 8) == 1
+    assert block_period(["sliding_attention", "full_attention"] * 4) == 2  # Gemma 2's alternation
+    assert block_period((["sliding_attention"] * 5 + ["full_attention"]) * 4) == 6  # Gemma 3's five to one
