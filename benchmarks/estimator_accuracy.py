@@ -165,6 +165,7 @@ FAMILIES = {
                    "tie_word_embeddings": False}, ("q_proj", "v_proj")),
 }
 EXTRAPOLATION_TARGET = 0.05
+DEFAULT_LIMIT = 24
 
 
 def extrapolation_main(args: argparse.Namespace) -> int:
@@ -178,7 +179,8 @@ def extrapolation_main(args: argparse.Namespace) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="autotune-extrapolation-"))
     rows, errors, cost = [], [], {"exact": 0.0, "extrapolated": 0.0}
-    families = list(FAMILIES.items())[:1] if args.quick else list(FAMILIES.items())
+    families = [(name, FAMILIES[name]) for name in (args.families or FAMILIES)]
+    families = families[:1] if args.quick else families
     for name, (config, lora_targets) in families:
         model = str(work / f"{name}.json")
         Path(model).write_text(json.dumps(config))
@@ -212,7 +214,9 @@ def extrapolation_main(args: argparse.Namespace) -> int:
         forks.close()
     worst = max(errors) if errors else float("inf")
     unestimated = sum("not estimated" in r for r in rows)
-    command = f"python benchmarks/estimator_accuracy.py --extrapolation{' --quick' if args.quick else ''}"
+    command = (f"python benchmarks/estimator_accuracy.py --extrapolation{' --quick' if args.quick else ''}"
+               + (f" --families {','.join(args.families)}" if args.families else "")
+               + (f" --limit {args.limit}" if args.limit != DEFAULT_LIMIT else ""))
     lines = [
         f"# The estimate extrapolated from shallow copies against the whole fake step — {datetime.date.today().isoformat()}",
         "",
@@ -240,9 +244,15 @@ def main() -> int:
     parser.add_argument("--scale", action="store_true", help="extrapolated against exact estimates of 8B@8 and 70B@64")
     parser.add_argument("--extrapolation", action="store_true",
                         help="extrapolated against exact estimates over a sample of the default space, by family")
-    parser.add_argument("--limit", type=int, default=24, help="--extrapolation: configurations per family and LoRA setting")
+    parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
+                        help="--extrapolation: configurations per family and LoRA setting")
+    parser.add_argument("--families", type=lambda text: text.split(","), default=None,
+                        help=f"--extrapolation: comma-separated families to check (default: all of {', '.join(FAMILIES)})")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    unknown = sorted(set(args.families or ()) - set(FAMILIES))
+    if unknown:
+        parser.error(f"--families {','.join(unknown)}: no such family; choose from {', '.join(FAMILIES)}")
     if args.scale:
         return scale_main(args)
     if args.extrapolation:

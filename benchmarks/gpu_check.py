@@ -244,6 +244,32 @@ def step_study(ctx: Context) -> list[str]:
     return lines
 
 
+def step_shallow(ctx: Context) -> list[str]:
+    """Shallow trials on the GPU: two configurations timed on copies of 4 and 8 of the 22 blocks, their line
+    extended, against the same configurations at full depth, interleaved."""
+    from autotune.config import FsdpConfig, TrialRequest
+    from autotune.launch.launcher import launch_trial
+
+    layer = ("MistralDecoderLayer",)
+    configs = [FsdpConfig(mixed_precision="bf16", activation_checkpointing="full", micro_batch_size=4,
+                          transformer_layer_cls=layer),
+               FsdpConfig(mixed_precision="bf16", micro_batch_size=2, transformer_layer_cls=layer)]
+    lines = []
+    for i, cfg in enumerate(configs):
+        figures = {}
+        for kind in ("shallow", "full"):
+            depths = {"depths": (4, 8), "full_depth": MODEL_CONFIG["num_hidden_layers"]} if kind == "shallow" else {}
+            request = TrialRequest(fsdp=cfg, model=ctx.model, seq_len=SEQ_LEN, timed_steps=200, timing_budget_s=4.0,
+                                   **depths)
+            outcome = launch_trial(request, ctx.work / f"shallow-{i}-{kind}", 1, TIMEOUT_S, "cuda", devices=(0,))
+            assert outcome.result.status == "ok", f"{kind} {cfg.describe()}: {outcome.result.error}"
+            figures[kind] = (outcome.result.tokens_per_s, outcome.wall_s)
+        error = figures["shallow"][0] / figures["full"][0] - 1
+        lines.append(f"{cfg.describe()}: extrapolated {figures['shallow'][0]:,.0f} tok/s ({figures['shallow'][1]:.0f} s) "
+                     f"against full depth {figures['full'][0]:,.0f} tok/s ({figures['full'][1]:.0f} s): {100 * error:+.1f}%")
+    return lines
+
+
 def plan(full: bool) -> list[Step]:
     """The steps, sized to at most 5 minutes of a GPU (``full``: the study at 8 launches and 2 rounds, about 9)."""
     launches, rounds, study_s = (8, 2, 400) if full else (6, 1, 170)
@@ -264,7 +290,8 @@ def plan(full: bool) -> list[Step]:
                       "(tuner <= 10%), launches over the budget (0), the confirmed winner against the standard recipe "
                       "in the same rounds (>= 1.0x), MFU, the estimate's error on the allocated peak", step_study,
              study_s),
-    ]
+    ] + ([Step("shallow", "shallow trials: copies of 4 and 8 of the 22 blocks, their line extended, against the same "
+                          "configurations at full depth (2 configurations)", step_shallow, 70)] if full else [])
 
 
 # The device time one call of the check may take, and with --full.

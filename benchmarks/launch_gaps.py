@@ -18,14 +18,13 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reporting import machine, publish  # noqa: E402
+from reporting import machine, publish, run_tuner  # noqa: E402
 
 QWEN2 = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 2048,
@@ -35,23 +34,14 @@ TARGET_S = 10.0
 
 
 def one_run(launches: int) -> dict:
-    import optuna
-
     from autotune.study.record import Attr, StudyAttr
 
     work = Path(tempfile.mkdtemp(prefix="autotune-gaps-"))
     model = work / "qwen2-small.json"
     model.write_text(json.dumps(QWEN2))
     start = time.time()
-    done = subprocess.run([sys.executable, "-m", "autotune", "run", "--mem-budget", BUDGET, "--model", str(model),
-                           "--seq-len", "128", "--trials", str(launches), "--confirm", "0", "--quiet"],
-                          cwd=work, capture_output=True, text=True, timeout=1800)
-    wall = time.time() - start
-    if done.returncode != 0:
-        raise SystemExit(f"autotune run failed (exit {done.returncode}): {done.stderr[-2000:]}")
-    storage = f"sqlite:///{work / 'studies' / 'autotune.db'}"
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
+    study, wall, _ = run_tuner(work, "--mem-budget", BUDGET, "--model", str(model), "--seq-len", "128",
+                               "--trials", str(launches), "--confirm", "0", timeout=1800)
     launched = sorted((t for t in study.trials if Attr.STARTED_AT in t.user_attrs),
                       key=lambda t: t.user_attrs[Attr.STARTED_AT])
     gaps = [(b.user_attrs[Attr.LABEL], b.user_attrs[Attr.STARTED_AT] - a.user_attrs[Attr.ENDED_AT])

@@ -24,10 +24,8 @@ import datetime
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from autotune.config import FsdpConfig, TrialRequest
@@ -35,7 +33,7 @@ from autotune.launch.forkserver import ForkServer
 from autotune.launch.launcher import launch_trial
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reporting import machine, publish  # noqa: E402
+from reporting import machine, publish, run_tuner  # noqa: E402
 
 LLAMA32 = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 32,
            "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 4096, "max_position_embeddings": 2048,
@@ -101,23 +99,13 @@ def accuracy(model: str, configs: list[FsdpConfig], repeats: int, depths: tuple[
 
 def run_study(model: str, depth: str, work: Path, launches: int, rounds: int) -> dict:
     """One ``autotune run`` in a folder of its own: wall time, per-launch walls, the verdict."""
-    import optuna
-
     from autotune.study.record import Attr
     from autotune.study.verdict import read_verdict
 
     folder = work / f"study-{depth}"
     folder.mkdir()
-    start = time.time()
-    done = subprocess.run([sys.executable, "-m", "autotune", "run", "--mem-budget", BUDGET, "--model", model,
-                           "--seq-len", str(SEQ_LEN), "--trials", str(launches), "--confirm", str(rounds),
-                           "--trial-depth", depth, "--quiet"], cwd=folder, capture_output=True, text=True, timeout=7200)
-    wall = time.time() - start
-    if done.returncode != 0:
-        raise SystemExit(f"autotune run --trial-depth {depth} failed: {done.stderr[-2000:]}")
-    storage = f"sqlite:///{folder / 'studies' / 'autotune.db'}"
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
+    study, wall, summary = run_tuner(folder, "--mem-budget", BUDGET, "--model", model, "--seq-len", str(SEQ_LEN),
+                                     "--trials", str(launches), "--confirm", str(rounds), "--trial-depth", depth)
     search = [t.user_attrs[Attr.WALL_S] for t in study.trials
               if Attr.WALL_S in t.user_attrs and Attr.CONFIRMATION_ROUND not in t.user_attrs]
     confirm = [t.user_attrs[Attr.WALL_S] for t in study.trials if Attr.CONFIRMATION_ROUND in t.user_attrs]
@@ -125,7 +113,7 @@ def run_study(model: str, depth: str, work: Path, launches: int, rounds: int) ->
     return {"wall": wall, "search": search, "confirm": confirm,
             "winner": verdict.winner.label if verdict else None,
             "ties": [t.label for t in verdict.ties] if verdict else [],
-            "summary": done.stdout.strip().splitlines()[-12:]}
+            "summary": summary.strip().splitlines()[-12:]}
 
 
 def spearman(a: list[float], b: list[float]) -> float:

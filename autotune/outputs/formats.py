@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from importlib.resources import files
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -310,7 +310,7 @@ def to_python(doc: dict[str, Any]) -> tuple[str, list[str]]:
     return header + source + tail, notes
 
 
-def _comment_block(mark: str, doc: dict[str, Any], notes: list[str], extra: list[str] = ()) -> str:
+def _comment_block(mark: str, doc: dict[str, Any], notes: list[str], extra: Sequence[str] = ()) -> str:
     measured = doc.get("measured", {})
     lines = [
         f"Exported by autotune from study {doc['study']['name']!r}, trial {doc['study']['trial_number']}:",

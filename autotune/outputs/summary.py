@@ -128,7 +128,7 @@ def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
 def print_extrapolation_errors(verdict: Verdict) -> None:
     """After a shallow search: each finalist's extrapolated figure beside its full-depth mean, and the finalists that
     failed at full depth (the next took their place)."""
-    rows = [[e.label, f"{e.extrapolated:,.0f}", f"{e.mean:,.0f}", f"{100 * e.extrapolation_error:+.1f}%"]
+    rows = [[e.label, f"{e.extrapolated:,.0f}", f"{e.mean:,.0f}", f"{100 * (e.extrapolation_error or 0.0):+.1f}%"]
             for e, _, _ in verdict.parts() if e.extrapolated]
     if rows:
         print("\nThe search's figures were extrapolated from shallow copies; the rounds ran the model at full depth:")

@@ -14,7 +14,7 @@ gated Qwen2 study wait 80 s between its first two launches.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from autotune.config import FsdpConfig
 
@@ -53,12 +53,14 @@ def frontier_by_strategy(candidates: list[FsdpConfig], fits: Callable[[FsdpConfi
                      and c.mixed_precision == precision]
             if not _most_frugal_fits(group, fits):
                 continue  # nothing in the group can fit: one fake step, not one per checkpointing mode
+            chosen: list[FsdpConfig]
             if first:
                 span = [cfg for mode in SPANNED_CHECKPOINTING if (cfg := _largest_fitting(group, mode, fits)) is not None]
                 chosen = sorted(span, key=lambda c: -speed(c))
             else:
-                chosen = [_fastest_fitting(group, fits, speed)] if group else []
-            if chosen and chosen[0] is not None:
+                fastest = _fastest_fitting(group, fits, speed) if group else None
+                chosen = [fastest] if fastest is not None else []
+            if chosen:
                 first = False
                 yield chosen
                 break
@@ -226,7 +228,7 @@ class FrontierPlan:
         first = (fitting or strategies)[:1]
         return self._ends({(s, mode) for s, _ in first for mode in SPANNED_CHECKPOINTING})
 
-    def _ends(self, wanted: set[tuple[str, str]], first: list[FsdpConfig] = ()) -> list[FsdpConfig]:
+    def _ends(self, wanted: set[tuple[str, str]], first: Sequence[FsdpConfig] = ()) -> list[FsdpConfig]:
         fast = max(self.priors.precision, key=self.priors.precision.get)
         sizes = sorted({c.micro_batch_size for c in self.candidates})
         picked: dict[tuple, FsdpConfig] = {(c.sharding_strategy, c.activation_checkpointing, c.micro_batch_size): c

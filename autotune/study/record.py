@@ -123,7 +123,7 @@ class Cause(Choice):
     @classmethod
     def of(cls, status: str) -> "Cause":
         """The cause a failed trial is recorded with, from its result's status."""
-        return {Status.NODE_LOST: cls.NODE_LOST}.get(status) or cls(status)
+        return cls.NODE_LOST if status == Status.NODE_LOST else cls(status)
 
 
 class StudyAttr:

@@ -75,6 +75,19 @@ def block_count(model: str) -> int | None:
     return int(count) if isinstance(count, int) else None
 
 
+# Where configs count their experts (Mixtral, Qwen2-MoE and Qwen3-MoE, DeepSeek).
+EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def is_mixture_of_experts(model: str) -> bool:
+    """Whether a preset or config.json model routes tokens to experts (False for a factory: unknown)."""
+    spec = parse_model_spec(model)
+    if spec.kind == "factory":
+        return False
+    config = _transformers_config(spec)
+    return any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1 for name in EXPERT_COUNT_NAMES)
+
+
 def _causal_lm_class(config):
     if config.model_type == "llama":
         # Importing the Llama module directly skips transformers' auto-class
