@@ -33,6 +33,18 @@ def parse_slot(text: str, device_count: int) -> tuple[int, ...]:
     return tuple(sorted(devices))
 
 
+def parse_slots(texts: list[str], device_count: int) -> tuple[tuple[int, ...], ...]:
+    """Each ``--devices`` slot, refusing two that share a device: their trials would time each other."""
+    slots = tuple(parse_slot(text, device_count) for text in texts)
+    for i, slot in enumerate(slots):
+        for j in range(i):
+            shared = sorted(set(slot) & set(slots[j]))
+            if shared:
+                raise UsageError(f"--devices {texts[j]} and --devices {texts[i]} share device {shared[0]}; give each "
+                                 "slot devices of its own")
+    return slots
+
+
 def _check_nproc(nproc: int, host: Any, what_asked: str | None = None) -> None:
     if nproc > host.device_count:
         what = f"{host.cuda_device_count} GPUs" if host.device_type == "cuda" else f"{host.cpu_count} CPU cores and no GPU"
@@ -137,7 +149,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note and not args.quiet:
         print(f"autotune run: {seq_note}", file=sys.stderr)
-    slots = tuple(parse_slot(text, host.device_count) for text in args.devices)
+    slots = parse_slots(args.devices, host.device_count)
     small = next((slot for slot in slots if len(slot) < nproc), None) if host.device_type == "cuda" else None
     if small is not None:
         raise UsageError(f"--devices {','.join(map(str, small))}: a slot needs at least --nproc {nproc} GPUs")

@@ -47,6 +47,8 @@ CASES = [
     (["run", "--mem-budget", "20GB", "--space", "smoke", "--global-batch-size", "5"],
      ["--global-batch-size 5", "multiple of 2"]),
     (["run", "--mem-budget", "20GB", "--global-batch-size", "0"], ["--global-batch-size", "at least 1"]),
+    (["run", "--mem-budget", "20GB", "--devices", "0", "--devices", "0-1"], ["--devices 0 and --devices 0-1",
+                                                                            "share device 0"]),
     (["trials", "--study-name", "nope"], ["nope", "no such study"]),
     (["export", "--study-name", "made-with-20GB"], ["no feasible trial"]),
     (["frobnicate"], ["invalid choice"]),

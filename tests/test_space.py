@@ -79,6 +79,16 @@ def test_missing_space_file_lists_builtins():
         load_space("no-such-space")
 
 
+def test_a_folder_named_like_a_builtin_space_does_not_hide_it(tmp_path, monkeypatch):
+    """A study folder called 'default' beside the command made every run and estimate fail ("Is a directory")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()
+    (tmp_path / "mine").mkdir()
+    assert load_space("default").choices == load_space(str(load_space("default").path)).choices
+    with pytest.raises(UsageError, match="--space mine: cannot read it"):
+        load_space("mine")
+
+
 def test_optuna_draws_only_valid_configurations():
     space = load_space("default")
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1), direction="maximize")

@@ -122,11 +122,15 @@ class SearchSpace:
 
 
 def resolve_space_path(value: str) -> Path:
-    """A file path, or the name of a built-in space (``default``, ``smoke``)."""
+    """A file path, or the name of a built-in space (``default``, ``smoke``).
+
+    A folder is never a space: one named like a built-in space in the working
+    directory does not hide it."""
     path = Path(value)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+    if path.suffix in (".yaml", ".yml") or path.is_file():
         return path
-    return builtin_spaces_dir() / f"{value}.yaml"
+    builtin = builtin_spaces_dir() / f"{value}.yaml"
+    return builtin if builtin.is_file() or not path.exists() else path
 
 
 def parse_space(data: Any, path: str) -> SearchSpace:
