@@ -83,6 +83,36 @@ def test_report_renders_offline_without_javascript_errors(study_db, chromium, tm
     assert shot.returncode == 0 and (ARTIFACTS / "report.png").stat().st_size > 10_000
 
 
+def test_the_first_plot_fits_its_log_axis_to_the_points_and_the_budget(chromium, tmp_path):
+    """The default run (budget 20GB, peaks of tens of MiB) draws memory on a log axis. add_vline's label, placed by
+    plotly in log10 units there, stretched the axis to 10^18 GiB ('1', '1000', '1M', '1B', '1T' as drawn ticks): the
+    points sat in its first twentieth."""
+    import re
+
+    storage = f"sqlite:///{tmp_path / 'autotune.db'}"
+    study = optuna.create_study(study_name="far-under-budget", storage=storage, direction="maximize")
+    budget = 20 * 10**9
+    study.set_user_attr("identity", {"model": "llama-tiny", "nproc": 2, "seq_len": 256, "budget_bytes": budget})
+    for mbs in (1, 2, 4):
+        cfg = FsdpConfig(micro_batch_size=mbs, transformer_layer_cls=("LlamaDecoderLayer",))
+        study.add_trial(_trial(cfg, 1000.0 + 100 * mbs, (30 + 10 * mbs) * 2**20))
+    out = tmp_path / "report.html"
+    done = subprocess.run([sys.executable, "-m", "autotune", "report", "--storage", storage, "-o", str(out)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    rendered = chromium(out.as_uri(), "--virtual-time-budget=8000", "--dump-dom")
+    assert rendered.returncode == 0
+    first_plot = rendered.stdout.split('class="plotly-graph-div')[1]
+    ticks = re.findall(r'class="xtick"[^>]*>\s*<text[^>]*>([^<]*)</text>', first_plot)
+    assert ticks, first_plot[:2000]
+    # Plain numbers of GiB (no 'k', 'M', 'B', 'T' suffix), none beyond ten times the budget's 18.6 GiB.
+    assert all(re.fullmatch(r"[0-9.]+", t) and float(t) <= 186 for t in ticks), ticks
+    assert "budget 18.6 GiB" in first_plot
+    shot = chromium(out.as_uri(), "--window-size=1200,1400", "--virtual-time-budget=8000",
+                    f"--screenshot={ARTIFACTS / 'report-far-under-budget.png'}")
+    assert shot.returncode == 0 and (ARTIFACTS / "report-far-under-budget.png").stat().st_size > 10_000
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 from typing import Any
 
 import optuna
@@ -43,6 +44,11 @@ def pareto_front(points: list[tuple[float, float, Any]]) -> list[tuple[float, fl
     return front
 
 
+def log_range(values: list[float], pad: float = 0.15) -> list[float]:
+    """A log axis' range (log10 units) holding ``values``, padded a little on either side."""
+    return [math.log10(min(values)) - pad, math.log10(max(values)) + pad]
+
+
 def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
     import plotly.graph_objects as go
 
@@ -61,13 +67,18 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
         fig.add_trace(go.Scatter(x=[p[0] for p in front], y=[p[1] for p in front], mode="lines+markers",
                                  name="Pareto front (feasible)", line={"color": "#d62728", "shape": "hv"},
                                  marker={"symbol": "star", "size": 13, "color": "#d62728"}))
-    if budget:
-        fig.add_vline(x=budget / 2**30, line_dash="dash", line_color="black",
-                      annotation_text=f"budget {format_bytes(budget)}", annotation_position="top left")
     peaks = [t.user_attrs[Attr.PEAK_MEMORY_BYTES] for t in trials if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
-    if budget and peaks and budget > 10 * max(peaks):
-        # Far under budget, a linear axis squeezes every point against zero.
-        fig.update_xaxes(type="log")
+    # Far under budget, a linear axis squeezes every point against zero.
+    log_axis = bool(budget and peaks and budget > 10 * max(peaks))
+    if budget:
+        at = budget / 2**30
+        fig.add_vline(x=at, line_dash="dash", line_color="black")
+        # On a log axis plotly places a shape in data units but an annotation in log10 units: add_vline's own label
+        # sat at 10^at GiB, and the autorange stretched to 10^18 GiB to show it (the points in its first twentieth).
+        fig.add_annotation(x=math.log10(at) if log_axis else at, y=1, yref="paper", text=f"budget {format_bytes(budget)}",
+                           showarrow=False, xanchor="right", yanchor="bottom")
+    if log_axis:
+        fig.update_xaxes(type="log", range=log_range([p / 2**30 for p in peaks] + [budget / 2**30]))
     fig.update_layout(title="Tokens/s against peak memory per rank", xaxis_title="peak memory per rank (GiB)",
                       yaxis_title="tokens/s", legend={"orientation": "h", "y": -0.2})
     return fig
