@@ -33,6 +33,15 @@ def parse_slot(text: str, device_count: int) -> tuple[int, ...]:
     return tuple(sorted(devices))
 
 
+def refuse_repeats(flag: str, values: list[str] | tuple[str, ...]) -> None:
+    """One line and exit 2 for a list-valued flag that names a value twice: a typo, or two flags that disagree."""
+    seen: set[str] = set()
+    for value in values:
+        if value in seen:
+            raise UsageError(f"{flag} {value} is given twice; name each value once")
+        seen.add(value)
+
+
 def parse_slots(texts: list[str], device_count: int) -> tuple[tuple[int, ...], ...]:
     """Each ``--devices`` slot, refusing two that share a device: their trials would time each other."""
     slots = tuple(parse_slot(text, device_count) for text in texts)
@@ -79,6 +88,7 @@ def lora_spec(args: argparse.Namespace) -> Any:
         spec = LoraSpec(**fields)
     except ConfigError as exc:
         raise UsageError(f"--lora-targets {args.lora_targets}: {exc}") from None
+    refuse_repeats("--lora-targets", spec.target_modules)
     if args.lora_targets is not None and not spec.target_modules:
         # LoraSpec reads no names as peft's choice; written out, that is a mistake.
         raise UsageError(f"--lora-targets {args.lora_targets!r} names no module; give names like q_proj,v_proj, "
@@ -138,6 +148,7 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     space = load_space(args.space)
     lora = lora_spec(args)
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
+    refuse_repeats("--wrap-class", args.wrap_class)
     host, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class), nproc=args.nproc, forks=forks)
     _check_budget_fits_device(args.mem_budget, budget, host)
     nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
@@ -267,6 +278,7 @@ def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space
     from autotune.study.margin import default_margin
     from autotune.units import format_bytes
 
+    refuse_repeats("--wrap-class", args.wrap_class)
     _, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class), forks=forks)
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note:

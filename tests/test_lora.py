@@ -42,6 +42,7 @@ def test_a_lora_study_has_a_name_of_its_own():
     (["--lora-targets", "q_proj"], ["--lora-targets", "add --lora RANK"]),
     (["--lora", "8", "--lora-targets", "q-proj"], ["--lora-targets q-proj", "'q-proj'"]),
     (["--lora", "8", "--lora-targets", ","], ["--lora-targets", "names no module"]),
+    (["--lora", "8", "--lora-targets", "q_proj,v_proj,q_proj"], ["--lora-targets q_proj", "twice"]),
     (["--lora", "8", "--lora-dropout", "2"], ["--lora-dropout", "below 1"]),
 ])
 @pytest.mark.parametrize("command", ["run", "estimate"])

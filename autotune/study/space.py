@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -121,15 +122,22 @@ class SearchSpace:
         return [FsdpConfig(**picked, transformer_layer_cls=layer_classes) for picked in unique.values()]
 
 
+_SAID: set[str] = set()
+
+
 def resolve_space_path(value: str) -> Path:
     """A file path, or the name of a built-in space (``default``, ``smoke``).
 
     A folder is never a space: one named like a built-in space in the working
     directory does not hide it."""
     path = Path(value)
-    if path.suffix in (".yaml", ".yml") or path.is_file():
-        return path
     builtin = builtin_spaces_dir() / f"{value}.yaml"
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        if path.is_file() and builtin.is_file() and path.resolve() != builtin.resolve() and value not in _SAID:
+            _SAID.add(value)  # once, though run checks its flags before it builds its settings
+            print(f"autotune: --space {value}: using the file {path.resolve()}, not the built-in space {value}",
+                  file=sys.stderr)
+        return path
     return builtin if builtin.is_file() or not path.exists() else path
 
 
