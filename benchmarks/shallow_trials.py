@@ -31,6 +31,7 @@ from pathlib import Path
 from autotune.config import FsdpConfig, TrialRequest
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.launcher import launch_trial
+from autotune.study.trial_depth import whole_because
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reporting import machine, publish, run_tuner  # noqa: E402
@@ -116,6 +117,13 @@ def run_study(model: str, depth: str, work: Path, launches: int, rounds: int) ->
             "summary": summary.strip().splitlines()[-12:]}
 
 
+def _block_params(model: str) -> int:
+    """One decoder block's parameters, as the host probe counts them."""
+    from autotune.worker.models import build_model
+
+    return sum(p.numel() for p in build_model(model, LAYER, num_blocks=1).layers[0].parameters())
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     from scipy.stats import spearmanr
 
@@ -135,13 +143,20 @@ def main() -> int:
     Path(model).write_text(json.dumps(config))
     full, depths = config["num_hidden_layers"], ((1, 2) if args.quick else DEPTHS)
     figures = accuracy(model, configurations(args.quick), 1 if args.quick else args.repeats, depths, full, work)
-    rows, errors = [], []
+    block_params = _block_params(model)
+    rows, errors, run_whole = [], [], []
     for f in figures:
         shallow, whole = statistics.fmean(f["shallow"]), statistics.fmean(f["full"])
         error = shallow / whole - 1
-        errors.append(abs(error))
+        # The tuner runs such a configuration whole in a shallow study: its row shows why, outside the figures.
+        because = whole_because(f["cfg"], block_params)
+        if because is None:
+            errors.append(abs(error))
+        else:
+            run_whole.append(f"{f['cfg'].describe()}: {100 * error:+.1f}% ({because})")
         noise = statistics.stdev(f["full"]) / whole if len(f["full"]) > 1 else float("nan")
-        rows.append(f"| {f['cfg'].describe()} | {shallow:,.0f} | {whole:,.0f} ({100 * noise:.1f}%) | {100 * error:+.1f}% | "
+        rows.append(f"| {f['cfg'].describe()}{' (run whole by the tuner)' if because else ''} | {shallow:,.0f} | "
+                    f"{whole:,.0f} ({100 * noise:.1f}%) | {100 * error:+.1f}% | "
                     f"{statistics.median(f['shallow_s']):.1f} | {statistics.median(f['full_s']):.1f} |")
     shallow_means = [statistics.fmean(f["shallow"]) for f in figures]
     full_means = [statistics.fmean(f["full"]) for f in figures]
@@ -162,8 +177,11 @@ def main() -> int:
              f"## Accuracy and order: {len(figures)} configurations, {len(figures[0]['full'])} interleaved round(s) each", "",
              "| configuration | extrapolated tok/s | full depth tok/s (CV) | error | shallow wall s | full wall s |",
              "|---|---:|---:|---:|---:|---:|", *rows, "",
-             f"- error of the extrapolated mean against the full-depth mean: median {100 * median:.1f}% (target <= 5%: "
+             f"- error of the extrapolated mean against the full-depth mean, over the {len(errors)} configurations the "
+             f"tuner extrapolates: median {100 * median:.1f}% (target <= 5%: "
              f"{verdict(median <= 0.05)}), largest {100 * worst:.1f}% (target <= 10%: {verdict(worst <= 0.10)})",
+             *[f"- run whole by the tuner (FSDP units that span blocks), the line's error shown for the record: {w}"
+               for w in run_whole],
              f"- Spearman's rank correlation of the two orders: {rho:.2f}",
              f"- the top by extrapolation ({figures[top_by_line]['cfg'].describe()}) against the true top "
              f"({figures[top]['cfg'].describe()}): {full_means[top_by_line] / full_means[top]:.3f}x at full depth "

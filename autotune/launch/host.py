@@ -27,6 +27,8 @@ class ModelInfo:
     hidden_size: int | None = None
     # After how many blocks its blocks repeat (alternating attention: 2); 1 when alike.
     block_period: int = 1
+    # The parameters of one block; None when unknown.
+    block_params: int | None = None
 
 
 BF16_FAST_CAPABILITY = (8, 0)
@@ -148,6 +150,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
         max_positions=model_data.get("max_positions"),
         hidden_size=model_data.get("hidden_size"),
         block_period=model_data.get("block_period", 1),
+        block_params=model_data.get("block_params"),
     )
 
 

@@ -108,6 +108,7 @@ class Attr:
     DEPTH_POINTS = "depth_points"  # each copy's DepthPoint.to_dict()
     FULL_DEPTH = "full_depth"  # the depth the line was extended to
     LINE_CHECK = "line_check"  # a third copy's distance off the line, relative (None with two copies)
+    WHOLE_BECAUSE = "whole_because"  # why a shallow study ran this search trial at full depth
 
 
 class Cause(Choice):

@@ -202,7 +202,7 @@ def plan_for(settings: RunSettings, model: ModelInfo) -> DepthPlan:
     """The depth plan ``settings`` ask of ``model`` (a UsageError for depths it cannot take)."""
     return plan_depths(settings.study.trial_depth or "auto", model.num_layers, model.block_period,
                        _builds_at_any_depth(settings.study.model), settings.search.use_estimate,
-                       tuple(settings.study.space.choices.get("activation_checkpointing", ())))
+                       tuple(settings.study.space.choices.get("activation_checkpointing", ())), model.block_params)
 
 
 def _builds_at_any_depth(model: str) -> bool:

@@ -11,6 +11,14 @@ by more than the timing noise allows, the study goes on with deeper copies
 why (:func:`after_check`). Fit is never a shallow copy's word: it stays the
 full-depth memory estimate's, so a study without estimates runs at full depth.
 The plan is stored on the study, which keeps it when resumed.
+
+A configuration whose FSDP units do not follow the blocks (no auto wrap: the
+whole model is one unit; size-based units larger than a block: its blocks
+are gathered together, as one unit that grows with the depth) runs at full
+depth in a shallow study (:func:`whole_because`): measured on a 32-block Llama
+(benchmarks/results/shallow_trials_cpu.md), FSDP1 with size-based units of
+1e6 parameters over blocks of 0.79M came out 48% faster on the copies' line
+than at full depth, in each of 3 interleaved rounds.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import threading
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping
 
+from autotune.config import FsdpConfig
 from autotune.errors import UsageError
 
 SETTINGS = ("auto", "full")
@@ -38,13 +47,18 @@ class DepthPlan:
     reason: str = ""  # why, in words
     # The line's check, once the first shallow trial ran it: its depths, how far off, and the verdict.
     check: dict[str, Any] | None = None
+    # The parameters of one block (None: unknown), against which size-based units are judged.
+    block_params: int | None = None
 
     @property
     def shallow(self) -> bool:
         return bool(self.depths)
 
-    def request_depths(self) -> tuple[int, ...]:
-        """The depths the next search trial times: with the check's third copy until it has run."""
+    def request_depths(self, cfg: FsdpConfig | None = None) -> tuple[int, ...]:
+        """The depths the next search trial (of ``cfg``) times: with the check's third copy until it has run;
+        none for a configuration whose units do not follow the blocks."""
+        if cfg is not None and self.shallow and whole_because(cfg, self.block_params) is not None:
+            return ()
         if not self.shallow or self.check is not None or self.setting != "auto":
             return self.depths
         third = _check_depth(self.depths)
@@ -58,13 +72,26 @@ class DepthPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DepthPlan:
         return cls(setting=data["setting"], full_depth=data.get("full_depth"), depths=tuple(data.get("depths") or ()),
-                   reason=data.get("reason", ""), check=data.get("check"))
+                   reason=data.get("reason", ""), check=data.get("check"), block_params=data.get("block_params"))
 
     def describe(self) -> str:
         if not self.shallow:
             return f"full depth ({self.reason})" if self.reason else "full depth"
         return (f"shallow copies of {' and '.join(map(str, self.depths))} blocks extended to {self.full_depth}"
-                + (f" ({self.reason})" if self.reason else ""))
+                + (f" ({self.reason})" if self.reason else "")
+                + "; configurations whose FSDP units span blocks (no auto wrap, size-based units larger than a block) "
+                  "run whole")
+
+
+def whole_because(cfg: FsdpConfig, block_params: int | None) -> str | None:
+    """Why a shallow study runs ``cfg`` at full depth, or None: its FSDP units do not grow one block at a time."""
+    if cfg.auto_wrap_policy == "none":
+        return "no auto wrap: the whole model is one FSDP unit, whose gather grows with the depth"
+    if cfg.auto_wrap_policy == "size_based" and (block_params is None or block_params < cfg.min_num_params):
+        size = f"blocks of {block_params:,} parameters" if block_params is not None else "blocks of unknown size"
+        return (f"size-based units of {cfg.min_num_params:,} parameters span its {size}: they are gathered as one "
+                "unit that grows with the depth")
+    return None
 
 
 def parse_trial_depth(text: str) -> str:
@@ -79,10 +106,16 @@ def parse_trial_depth(text: str) -> str:
 
 
 def plan_depths(setting: str, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
-                space_checkpointing: tuple[str, ...] = ()) -> DepthPlan:
+                space_checkpointing: tuple[str, ...] = (), block_params: int | None = None) -> DepthPlan:
     """The study's plan, from the setting and the model (``num_layers`` identical
     blocks repeating every ``block_period``; ``buildable``: a copy of another depth
     can be built, as for a transformers config) and whether memory is estimated."""
+    return replace(_plan_depths(setting, num_layers, block_period, buildable, estimated, space_checkpointing),
+                   block_params=block_params)
+
+
+def _plan_depths(setting: str, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
+                 space_checkpointing: tuple[str, ...]) -> DepthPlan:
     if setting == "full":
         return DepthPlan(setting, num_layers)
     why_not = _why_full_depth(num_layers, buildable, estimated)
@@ -167,6 +200,15 @@ class StudyDepth:
         self.plan = plan
         self._store, self._say = store, say
         self._lock = threading.Lock()
+        self._said: set[str] = set()
+
+    def say_once(self, line: str) -> None:
+        """Say ``line`` the first time only (each device slot's thread may reach it)."""
+        with self._lock:
+            if line in self._said:
+                return
+            self._said.add(line)
+        self._say(line)
 
     def after_trial(self, points: list[Mapping[str, Any]], line_check: float | None) -> None:
         """Apply a shallow trial's check of its line (:func:`after_check`), store the plan and say what changed."""

@@ -226,6 +226,8 @@ def describe_model(model: str, wrap_class: tuple[str, ...]) -> dict:
         "num_params": sum(p.numel() for p in built.module.parameters()),
         "layer_classes": list(built.layer_classes),
         "num_layers": len(built.layers),
+        # What size-based wrapping compares with min_num_params: whether each block can be a unit of its own.
+        "block_params": sum(p.numel() for p in built.layers[0].parameters()) if len(built.layers) else None,
         "vocab_size": built.vocab_size,
         "class_name": type(built.module).__name__,
         "max_positions": position_limit(built.module),
