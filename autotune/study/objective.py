@@ -37,7 +37,7 @@ from autotune.study.record import (
 from autotune.study.progress import Reporter
 from autotune.study.search import ModelSearch, PlannedSampler, config_params
 from autotune.study.space import SearchSpace
-from autotune.study.trial_depth import DepthPlan, StudyDepth, whole_because
+from autotune.study.trial_depth import DepthPlan, StudyDepth
 from autotune.units import format_bytes
 
 # A trial whose first timed steps run below best / ABORT_FACTOR stops there: at
@@ -224,14 +224,9 @@ class Objective:
     def _launch(self, trial: optuna.Trial, cfg: FsdpConfig, abort: bool = True) -> float:
         best = self.best_value()
         # The confirmation rounds measure the model as it is: the verdict is full depth's.
-        plan = self.depth.plan
-        depths = () if Attr.CONFIRMATION_ROUND in trial.user_attrs else plan.request_depths(cfg)
-        whole = whole_because(cfg, plan.block_params) if plan.shallow and not depths else None
-        if whole is not None and Attr.CONFIRMATION_ROUND not in trial.user_attrs:
-            trial.set_user_attr(Attr.WHOLE_BECAUSE, whole)
-            self.depth.say_once(f"Trial depth: {whole}; such configurations run whole.")
+        depths = () if Attr.CONFIRMATION_ROUND in trial.user_attrs else self.depth.depths_for(cfg, trial)
         request = trial_request(self.settings, cfg, self.gate.cores.quiet, best / ABORT_FACTOR if best and abort else None,
-                                depths, plan.full_depth)
+                                depths, self.depth.plan.full_depth)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)
         # Every trial holds its devices: other tuners on this host wait their turn.

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 from autotune.config import FsdpConfig
 from autotune.errors import UsageError
+from autotune.study.record import Attr
 
 SETTINGS = ("auto", "full")
 # The copies a deep model's trials time first (the check's third is as far beyond the deeper as they are apart).
@@ -202,13 +203,20 @@ class StudyDepth:
         self._lock = threading.Lock()
         self._said: set[str] = set()
 
-    def say_once(self, line: str) -> None:
-        """Say ``line`` the first time only (each device slot's thread may reach it)."""
+    def depths_for(self, cfg: FsdpConfig, trial: Any) -> tuple[int, ...]:
+        """The depths a search trial of ``cfg`` times; a configuration a shallow study runs whole records why on
+        ``trial``, and the study says so once per reason."""
+        depths = self.plan.request_depths(cfg)
+        whole = whole_because(cfg, self.plan.block_params) if self.plan.shallow and not depths else None
+        if whole is None:
+            return depths
+        trial.set_user_attr(Attr.WHOLE_BECAUSE, whole)
         with self._lock:
-            if line in self._said:
-                return
-            self._said.add(line)
-        self._say(line)
+            first = whole not in self._said
+            self._said.add(whole)
+        if first:
+            self._say(f"Trial depth: {whole}; such configurations run whole.")
+        return depths
 
     def after_trial(self, points: list[Mapping[str, Any]], line_check: float | None) -> None:
         """Apply a shallow trial's check of its line (:func:`after_check`), store the plan and say what changed."""
