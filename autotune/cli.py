@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from autotune import __version__, interrupts
 from autotune.config import CUDA_TIMED_STEPS, CUDA_TIMING_BUDGET_S, LAUNCHERS, MIN_WARMUP_STEPS, SEARCHES
@@ -25,7 +25,7 @@ SEARCH, MEASURE, EXECUTION = SearchSettings(), MeasureSettings(), ExecutionSetti
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other bad input
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 

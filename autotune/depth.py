@@ -34,7 +34,7 @@ class DepthPoint:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DepthPoint:
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})  # type: ignore[arg-type]  # as stored
 
 
 def fit_line(points: Sequence[DepthPoint]) -> tuple[float, float]:
@@ -62,7 +62,7 @@ def interval_at(points: Sequence[DepthPoint], depth: int) -> tuple[float, float]
     shallower one's, so (shallow high, deep low) and (shallow low, deep high)
     bound it. None when a copy has no interval."""
     low, high = min(points, key=lambda p: p.depth), max(points, key=lambda p: p.depth)
-    if None in (low.ci_low_s, low.ci_high_s, high.ci_low_s, high.ci_high_s):
+    if low.ci_low_s is None or low.ci_high_s is None or high.ci_low_s is None or high.ci_high_s is None:
         return None
 
     def at(t_low: float, t_high: float) -> float:

@@ -96,7 +96,7 @@ class Table:
         self.predicted: dict[str, tuple[int, float]] = {}
         for row in rows:
             cfg = row_config(row, self.model.layer_classes)
-            number = lambda name, kind=float: kind(row[name]) if row.get(name) else None  # noqa: E731
+            number = lambda name, kind=float, row=row: kind(row[name]) if row.get(name) else None  # noqa: E731
             if not row["note"].startswith("baseline"):
                 self.configs.append(cfg)  # the space; a baseline row outside it is only for the tuner's first trial
             runs = tuple(float(x) for x in row["tokens_per_s_runs"].split(";")) if row.get("tokens_per_s_runs") else ()

@@ -28,7 +28,7 @@ CASES = ["fsdp1-full-layer-bf16-ac", "fsdp2-sgo-every-other"]
 
 def _applied(done: subprocess.CompletedProcess) -> dict:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("APPLIED "))
+    line = next(text for text in done.stdout.splitlines() if text.startswith("APPLIED "))
     return json.loads(line[len("APPLIED "):])
 
 
@@ -63,7 +63,7 @@ def test_accelerate_launch_trains_with_the_export(name, tmp_path):
     _check_configured(applied["configured"], cfg)
     assert applied["mixed_precision"] == {"bf16": "bf16", "bf16_fp32_reduce": "bf16", "fp16": "fp16", "fp32": "no"}[
         cfg.mixed_precision]
-    assert len(applied["losses"]) == 2 and all(l == l and l > 0 for l in applied["losses"])
+    assert len(applied["losses"]) == 2 and all(loss == loss and loss > 0 for loss in applied["losses"])
     assert applied["micro_batch_size"] == cfg.micro_batch_size
     # On CPU accelerate leaves the model unsharded, and the export says so.
     assert applied["distributed_type"] != "DistributedType.FSDP" and applied["fsdp_version"] is None

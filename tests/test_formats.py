@@ -339,7 +339,7 @@ def test_python_module_needs_the_memory_its_trial_measured(cfg, built_on, tmp_pa
     (tmp_path / "fsdp_config.py").write_text(render(doc, "python")[0])
     done = _torchrun(MEASURE_WITH_EXPORT, tmp_path, str(tmp_path), "128", built_on)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    applied = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("PEAKS")).split(" ", 1)[1])
+    applied = json.loads(next(text for text in done.stdout.splitlines() if text.startswith("PEAKS")).split(" ", 1)[1])
     measured = [m.tracked for m in outcome.result.rank_memory]
     print("applied", applied, "measured", measured)
     for a, m in zip(applied, measured):

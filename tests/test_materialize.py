@@ -35,7 +35,7 @@ def _probe(*cases: tuple[str, int, str]) -> list[dict]:
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            str(REPO / "tests" / "materialize_probe.py"), *(str(a) for case in cases for a in case)],
                           capture_output=True, text=True, timeout=240, cwd=REPO)
-    reports = [json.loads(l[len("REPORT "):]) for l in done.stdout.splitlines() if l.startswith("REPORT ")]
+    reports = [json.loads(text[len("REPORT "):]) for text in done.stdout.splitlines() if text.startswith("REPORT ")]
     assert len(reports) == len(cases), done.stdout[-2000:] + done.stderr[-3000:]
     return reports
 

@@ -70,7 +70,7 @@ def test_report_renders_offline_without_javascript_errors(study_db, chromium, tm
     assert "Plotly" in text and "plotly.js" in text  # the library is inline
     rendered = chromium(out.as_uri(), "--enable-logging=stderr", "--v=0", "--virtual-time-budget=8000", "--dump-dom")
     assert rendered.returncode == 0
-    console = [l for l in rendered.stderr.splitlines() if "CONSOLE" in l and ("Uncaught" in l or "Error" in l)]
+    console = [text for text in rendered.stderr.splitlines() if "CONSOLE" in text and ("Uncaught" in text or "Error" in text)]
     assert console == [], console
     dom = rendered.stdout
     assert dom.count('class="plotly-graph-div') >= 5

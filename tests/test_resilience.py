@@ -76,7 +76,7 @@ def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path, forks):
     tuners = [subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(3)]
     outputs = [t.communicate(timeout=600) for t in tuners]
-    for tuner, (out, err) in zip(tuners, outputs):
+    for tuner, (_, err) in zip(tuners, outputs):
         assert tuner.returncode == 0, err
         assert "database is locked" not in err and "Traceback" not in err
     trials = _study(tmp_path).trials

@@ -42,7 +42,7 @@ def _argv(pid: int) -> list[str]:
 
 
 def _result(done) -> dict:
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((text for text in done.stdout.splitlines() if text.startswith("RESULT ")), None)
     assert line, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(line[len("RESULT "):])
 

@@ -65,7 +65,7 @@ def _parse(python, exports: dict[str, str]) -> dict[str, dict]:
     done = subprocess.run([str(python), "-c", PARSE], input=json.dumps(words), capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("PARSED "))
+    line = next(text for text in done.stdout.splitlines() if text.startswith("PARSED "))
     return json.loads(line[len("PARSED "):])
 
 

@@ -76,6 +76,7 @@ class EstimatorClient:
             return json.loads(answer) if answer else {"error": f"the estimating process exited {code}: {output[-300:]}"}
         with self._lock:
             proc = self._ensure()
+            assert proc.stdin is not None and proc.stdout is not None  # both piped by _ensure
             try:
                 proc.stdin.write(json.dumps({**self.request, "fsdp": cfg.to_dict()}) + "\n")
                 proc.stdin.flush()
@@ -103,7 +104,7 @@ class EstimatorClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            ready, _, _ = select.select([proc.stdout], [], [], min(POLL_S, left))
+            ready, _, _ = select.select([proc.stdout], [], [], min(POLL_S, left))  # type: ignore[type-var]  # piped
             if ready:
                 return True
 
@@ -119,7 +120,8 @@ class EstimatorClient:
 
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.stdin.close()
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from autotune.launch.process_life import die_with_parent
 
@@ -68,20 +68,19 @@ class ForkedProcess:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([self._conn], [], [], left)
             if not ready:
-                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
             chunk = self._conn.recv(4096)
             if not chunk:
                 # The keeper died without a word: it was killed, and its process with it.
-                self._finish(-signal.SIGKILL)
-                return self.returncode
+                return self._finish(-signal.SIGKILL)
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
-        self._finish(os.waitstatus_to_exitcode(json.loads(line)["wait_status"]))
-        return self.returncode
+        return self._finish(os.waitstatus_to_exitcode(json.loads(line)["wait_status"]))
 
-    def _finish(self, code: int) -> None:
+    def _finish(self, code: int) -> int:
         self.returncode = code
         self._conn.close()
+        return code
 
     def poll(self) -> int | None:
         try:
@@ -118,7 +117,7 @@ def spawn(
     stdout_fd: int,
     env: dict[str, str] | None = None,
     cwd: str | None = None,
-    affinity: Sequence[int] | None = None,
+    affinity: Collection[int] | None = None,
     new_session: bool = False,
 ) -> ForkedProcess:
     """Fork ``target`` (``"module:function"``, called with ``argv``; its return
@@ -199,6 +198,7 @@ class ForkServer:
 
     def _wait_ready(self, timeout_s: float) -> bool:
         if self._ready is None:
+            assert self._proc is not None and self._proc.stdout is not None  # started with the server, piped
             deadline = time.monotonic() + timeout_s
             last = f"not ready within {timeout_s:.0f}s"
             # Imports may print warnings first; the server's last word is "ready".
@@ -226,7 +226,8 @@ class ForkServer:
                 self._proc.wait()
             else:
                 try:
-                    self._proc.stdin.close()
+                    if self._proc.stdin is not None:
+                        self._proc.stdin.close()
                     self._proc.wait(timeout=5)
                 except (subprocess.TimeoutExpired, OSError):
                     self._proc.kill()
@@ -297,7 +298,7 @@ def _keeper(conn: socket.socket, request: dict[str, Any], out_fd: int) -> None:
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     pidfd = os.pidfd_open(pid)
     while True:
-        ready, _, _ = select.select([conn, pidfd], [], [])
+        ready, _, _ = select.select([conn, pidfd], [], [])  # type: ignore[type-var]  # a socket and a pidfd
         if pidfd in ready:
             _, status = os.waitpid(pid, 0)
             try:
@@ -333,7 +334,7 @@ def _become(request: dict[str, Any], out_fd: int) -> None:
         os.close(null)
         os.close(out_fd)
         for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(line_buffering=True)
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # the interpreter's own TextIOWrapper
         module_name, _, function_name = request["target"].partition(":")
         sys.argv = [module_name, *request["argv"]]
         function = getattr(importlib.import_module(module_name), function_name)
@@ -354,7 +355,7 @@ def _become(request: dict[str, Any], out_fd: int) -> None:
 
 
 def run_forked(forks: ForkServer | None, target: str, argv: Sequence[str], timeout_s: float,
-               affinity: Sequence[int] | None = None) -> tuple[int, str] | None:
+               affinity: Collection[int] | None = None) -> tuple[int, str] | None:
     """Run ``target`` forked from ``forks`` and collect its output; (exit code, output),
     or None when no server answers (the caller starts a fresh interpreter instead).
     Past ``timeout_s`` the process is killed and TimeoutError raised."""

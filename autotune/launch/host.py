@@ -133,7 +133,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
     code, output = done
     answer = next((line for line in reversed(output.strip().splitlines()) if line.startswith("{")), None)
     try:
-        data = json.loads(answer)
+        data = json.loads(answer)  # type: ignore[arg-type]  # None (no answer) raises TypeError, handled below
     except (TypeError, json.JSONDecodeError):
         tail = " | ".join(output.strip().splitlines()[-3:])
         raise RuntimeError(f"the host probe failed (exit {code}): {tail}") from None

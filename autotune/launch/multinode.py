@@ -224,12 +224,13 @@ def check_launcher(launcher: str, nnodes: int, trial_root: Path) -> None:
     """Refuse, up front, a launcher this host cannot use: Slurm outside an allocation or
     without srun, or trial folders the nodes would not all see."""
     if launcher == "slurm":
-        if slurm_allocation() is None:
+        allocation = slurm_allocation()
+        if allocation is None:
             raise UsageError("--launcher slurm: SLURM_JOB_ID is not set; run inside an allocation "
                              "(salloc --nodes N, or an sbatch script), or use --launcher local")
         if shutil.which("srun") is None:
             raise UsageError("--launcher slurm: srun is not on PATH")
-        if min(nnodes, slurm_allocation()[1]) > 1 and _is_node_local(trial_root):
+        if min(nnodes, allocation[1]) > 1 and _is_node_local(trial_root):
             raise UsageError(f"--launcher slurm: the trial folders ({trial_root}) are on a node-local filesystem; "
                              "put the study (--storage sqlite:///path/on/shared/fs/autotune.db) where every node sees it")
 

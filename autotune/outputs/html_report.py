@@ -11,7 +11,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import SEARCH_FIELDS
 from autotune.study.record import (
-    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_extrapolated, is_feasible, trial_config,
+    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_extrapolated, is_feasible, trial_config, value_of,
 )  # fmt: skip
 from autotune.study.verdict import Verdict, part_text, read_verdict
 from autotune.units import format_bytes
@@ -61,7 +61,7 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
             text=[f"#{t.number} {t.user_attrs.get(Attr.LABEL)}{EXTRAPOLATED_NOTE if is_extrapolated(t) else ''}" for t in group],
             hovertemplate="%{text}<br>%{y:,.0f} tok/s, %{x:.3g} GiB<extra></extra>",
         ))
-    front = pareto_front([(t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30, t.value, t.number)
+    front = pareto_front([(t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30, value_of(t), t.number)
                           for t in trials if is_feasible(t) and t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)])
     if front:
         fig.add_trace(go.Scatter(x=[p[0] for p in front], y=[p[1] for p in front], mode="lines+markers",
@@ -77,7 +77,7 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
         # sat at 10^at GiB, and the autorange stretched to 10^18 GiB to show it (the points in its first twentieth).
         fig.add_annotation(x=math.log10(at) if log_axis else at, y=1, yref="paper", text=f"budget {format_bytes(budget)}",
                            showarrow=False, xanchor="right", yanchor="bottom")
-    if log_axis:
+    if log_axis and budget:
         fig.update_xaxes(type="log", range=log_range([p / 2**30 for p in peaks] + [budget / 2**30]))
     fig.update_layout(title="Tokens/s against peak memory per rank", xaxis_title="peak memory per rank (GiB)",
                       yaxis_title="tokens/s", legend={"orientation": "h", "y": -0.2})
@@ -91,7 +91,7 @@ def history_figure(study: optuna.Study):
     best, xs, ys = float("-inf"), [], []
     for t in trials:
         if is_feasible(t):
-            best = max(best, t.value)
+            best = max(best, value_of(t))
         if best > float("-inf"):
             xs.append(t.number)
             ys.append(best)
@@ -107,19 +107,16 @@ def dimension_figure(trials: list[FrozenTrial]):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    varying = []
-    for dim in DIMENSIONS:
-        values = {str(trial_config(t).to_dict()[dim]) for t in trials}
-        if len(values) > 1:
-            varying.append(dim)
+    measured = [(cfg.to_dict(), value_of(t)) for t in trials if (cfg := trial_config(t)) is not None]
+    varying = [dim for dim in DIMENSIONS if len({str(config[dim]) for config, _ in measured}) > 1]
     if not varying:
         return None
     cols = 2
     rows = (len(varying) + cols - 1) // cols
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=varying)
     for i, dim in enumerate(varying):
-        xs = [str(trial_config(t).to_dict()[dim]) for t in trials]
-        fig.add_trace(go.Box(x=xs, y=[t.value for t in trials], boxpoints="all", name=dim, showlegend=False,
+        xs = [str(config[dim]) for config, _ in measured]
+        fig.add_trace(go.Box(x=xs, y=[value for _, value in measured], boxpoints="all", name=dim, showlegend=False,
                              marker={"color": FEASIBLE}), row=i // cols + 1, col=i % cols + 1)
     fig.update_layout(title="Tokens/s per choice of each search dimension", height=280 * rows)
     return fig
@@ -144,7 +141,7 @@ def importance_figure(study: optuna.Study):
 def top_table(trials: list[FrozenTrial], limit: int = 10):
     import plotly.graph_objects as go
 
-    best = sorted((t for t in trials if is_feasible(t)), key=lambda t: -t.value)[:limit]
+    best = sorted((t for t in trials if is_feasible(t)), key=lambda t: -value_of(t))[:limit]
     fig = go.Figure(go.Table(
         header={"values": ["#", "tokens/s", "peak", "configuration"], "align": "left"},
         cells={"values": [[t.number for t in best],

@@ -27,7 +27,7 @@ from autotune.config import FsdpConfig
 from autotune.launch.process_life import process_alive, process_start_ticks
 from autotune.study.baseline import as_params
 from autotune.study.optuna_internals import fail_running, reread, storage_of, trial_id
-from autotune.study.record import Attr, Cause, trial_config
+from autotune.study.record import Attr, Cause, config_key, trial_config
 
 # Seconds between looks at a trial another tuner is measuring.
 WAIT_POLL_S = 1.0
@@ -75,6 +75,7 @@ class Claims:
                     return None
             if previous is not None:
                 return previous
+            assert running is not None  # neither measured nor running returned the claim above
             on_wait(running)
             self.wait_for(running)
 
@@ -86,7 +87,7 @@ class Claims:
         key = cfg.key()
         finished, running = None, None
         for t in self.study.get_trials(deepcopy=False):
-            if t.number == number or trial_config(t) is None or trial_config(t).key() != key:
+            if t.number == number or config_key(t) != key:
                 continue
             if t.state == TrialState.RUNNING:
                 if t.user_attrs.get(Attr.CLAIMED) and runner_alive(t):

@@ -32,7 +32,9 @@ from autotune.launch.host import HostInfo, host_incompatibility
 from autotune.stats import mean_ci95
 from autotune.study.baseline import as_params, standard_recipe
 from autotune.study.equivalence import Topology, canonical
-from autotune.study.record import Attr, is_confirmation, is_feasible, search_trials, trial_config
+from autotune.study.record import (
+    Attr, config_key, is_confirmation, is_feasible, search_trials, trial_config, value_of,
+)  # fmt: skip
 from autotune.study.space import SearchSpace
 from autotune.study.verdict import Ratio, Role, Verdict, VerdictEntry
 
@@ -54,10 +56,10 @@ def choose_finalists(study: optuna.Study) -> list[Any]:
     failed = {k for k in failed_at_full_depth(study)}
     best_per_key: dict[str, Any] = {}
     for t in search_trials(study):
-        if trial_config(t) is not None and trial_config(t).key() in failed:
+        key = config_key(t)
+        if key is None or key in failed:
             continue
         if is_feasible(t) and t.user_attrs.get(Attr.STATUS) == Status.OK and Attr.REUSED_FROM not in t.user_attrs:
-            key = trial_config(t).key()
             if key not in best_per_key or t.value > best_per_key[key].value:
                 best_per_key[key] = t
     ranked = sorted(best_per_key.values(), key=lambda t: -t.value)
@@ -112,9 +114,10 @@ def round_entries(study: optuna.Study, host: HostInfo, space: SearchSpace, layer
     finalists = choose_finalists(study)
     if not finalists:
         return []
-    entries = [Entry(trial_config(t), Role.FINALIST, t.number) for t in finalists]
-    first = next((t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(Attr.BASELINE) and trial_config(t)), None)
-    recipe = trial_config(first) if first is not None else standard_recipe(host, layer_classes, space)
+    entries = [Entry(cfg, Role.FINALIST, t.number) for t in finalists if (cfg := trial_config(t)) is not None]
+    first = next((cfg for t in study.get_trials(deepcopy=False)
+                  if t.user_attrs.get(Attr.BASELINE) and (cfg := trial_config(t)) is not None), None)
+    recipe = first if first is not None else standard_recipe(host, layer_classes, space)
     references = [(Role.STANDARD_RECIPE, canonical(recipe, topology))]
     for batch in dict.fromkeys(e.cfg.micro_batch_size for e in entries[:len(finalists)]):
         references.append((Role.PYTORCH_DEFAULTS, canonical(pytorch_defaults(layer_classes, batch), topology)))
@@ -168,7 +171,7 @@ def verdict(study: optuna.Study, entries: list[Entry]) -> Verdict | None:
         if not (is_confirmation(t) and cfg and cfg.key() in values and t.state == TrialState.COMPLETE
                 and t.user_attrs.get(Attr.STATUS) == Status.OK):
             continue
-        values[cfg.key()][t.user_attrs[Attr.CONFIRMATION_ROUND]] = t.value
+        values[cfg.key()][t.user_attrs[Attr.CONFIRMATION_ROUND]] = value_of(t)
         peaks[cfg.key()] = max(peaks.get(cfg.key(), 0), t.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0))
     finalists = [e for e in entries if e.role == Role.FINALIST and values[e.cfg.key()]]
     if not finalists:

@@ -123,12 +123,14 @@ class MemoryGate:
         """Why ``cfg`` is predicted not to fit (recording the prediction and a
         positive constraint on ``trial``), or None to let it launch."""
         verdict = self.judge(cfg)
+        assert verdict is not None  # judged with estimates, it always has an answer
         record_verdict(trial, verdict, self.margin().source, self.budget_bytes)
         return verdict.reason
 
     def fit_chance(self, cfg: FsdpConfig) -> tuple[float, str | None]:
         """How likely ``cfg`` fits (1: predicted to; 0: predicted not to, with the reason)."""
         verdict = self.judge(cfg)
+        assert verdict is not None  # judged with estimates, it always has an answer
         return verdict.chance, verdict.reason
 
     def probably_over(self, cfg: FsdpConfig) -> bool:
@@ -218,6 +220,7 @@ class MemoryGate:
         """The device margin, calibrated on this study's measured, launched trials (as of the last :meth:`refresh`)."""
         if self._margin is None:
             self.refresh()
+        assert self._margin is not None  # refresh sets it
         return self._margin
 
     def close(self) -> None:

@@ -32,7 +32,7 @@ from autotune.study.gate import MemoryGate
 from autotune.study.settings import RunSettings
 from autotune.study.record import (
     CONSTRAINT_KEY, Attr, Cause, best_search_trial, copy_measurement, crash_signature, first_line, set_constraint,
-    trial_config, write_extrapolated, write_failure, write_measurement, write_memory,
+    value_of, write_extrapolated, write_failure, write_measurement, write_memory,
 )  # fmt: skip
 from autotune.study.progress import Reporter
 from autotune.study.search import ModelSearch, PlannedSampler, config_params
@@ -90,7 +90,7 @@ def draw(trial: optuna.Trial, study: optuna.Study, space: SearchSpace, layer_cla
     the space file), else autotune's proposal, else the Optuna sampler's draw;
     in each case the simplest member of its class (see :mod:`autotune.study.equivalence`)."""
     fixed = fixed_params(trial)
-    if not fixed and search is not None:
+    if not fixed and search is not None and sampler is not None:
         proposal = search.propose(study)
         if proposal is None:
             reason = "every configuration of the space that can run here is measured or ruled out"
@@ -197,7 +197,7 @@ class Objective:
             trial, cfg, f"being measured by trial #{running.number}; waiting to reuse its result")
         previous = self.claims.claim(trial, cfg, on_wait)
         if previous is not None:
-            return self._reuse(trial, previous)
+            return self._reuse(trial, cfg, previous)
         self._tally(launched=1, idle=False)
         return self._launch(trial, cfg)
 
@@ -210,16 +210,16 @@ class Objective:
         trial.set_user_attr(Attr.RUNNER, runner_identity())
         return cfg
 
-    def _reuse(self, trial: optuna.Trial, previous: FrozenTrial) -> float:
+    def _reuse(self, trial: optuna.Trial, cfg: FsdpConfig, previous: FrozenTrial) -> float:
         self._tally(reused=1, idle=True)
         copy_measurement(trial, previous)
-        self._line(trial, trial_config(previous), f"same configuration as trial #{previous.number}, not launched again")
+        self._line(trial, cfg, f"same configuration as trial #{previous.number}, not launched again")
         if previous.state == TrialState.PRUNED:
             raise optuna.TrialPruned(previous.user_attrs.get(Attr.PRUNE_REASON, "reused"))
         if previous.state == TrialState.FAIL:
             raise TrialFailed(f"crashed before in trial #{previous.number}: {previous.user_attrs.get(Attr.ERROR)}")
         set_constraint(trial, previous.constraints.get(CONSTRAINT_KEY, 0.0))
-        return float(previous.value)
+        return value_of(previous)
 
     def _launch(self, trial: optuna.Trial, cfg: FsdpConfig, abort: bool = True) -> float:
         best = self.best_value()
@@ -251,13 +251,13 @@ class Objective:
         if result.status == Status.OK and result.depth_points:
             self._line(trial, cfg, record_extrapolated(trial, result, budget))
             self.depth.after_trial(result.depth_points, result.line_check)
-            return float(result.tokens_per_s)
+            return float(result.tokens_per_s or 0.0)
         if result.status == Status.OK:
             peak = write_measurement(trial, result, budget)
             fit = "fits" if peak <= budget else f"OVER budget by {format_bytes(peak - budget)}"
             self._line(trial, cfg, f"{result.tokens_per_s:,.0f} tok/s, peak {format_bytes(peak)} ({fit}), "
                                    f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
-            return float(result.tokens_per_s)
+            return float(result.tokens_per_s or 0.0)
         if result.status == Status.ABORTED:
             self._tally(aborted=1)
             reason = (f"hopeless: {result.tokens_per_s:,.0f} tok/s over the first timed steps, under 1/{ABORT_FACTOR:g} "
@@ -265,7 +265,7 @@ class Objective:
             trial.set_user_attr(Attr.ABORTED, True)
             trial.set_user_attr(Attr.TOKENS_PER_S_PARTIAL, result.tokens_per_s)
             trial.set_user_attr(Attr.PRUNE_REASON, reason)
-            trial.report(float(result.tokens_per_s), step=0)
+            trial.report(float(result.tokens_per_s or 0.0), step=0)
             self._line(trial, cfg, f"stopped early, {reason}")
             raise optuna.TrialPruned(reason)
         if result.status == Status.OOM:

@@ -58,7 +58,7 @@ def with_stale_trial_hook(storage_class: type, before_failing: Callable[[Any, in
     stale trial while it is still RUNNING (Optuna fails what ``_get_stale_trial_ids`` returns);
     a trial for which it returns False is left to whoever finished it first."""
 
-    class StaleTrialHook(storage_class):  # type: ignore[misc, valid-type]
+    class StaleTrialHook(storage_class):
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
             return [t for t in super()._get_stale_trial_ids(study_id) if before_failing(self, t)]
 

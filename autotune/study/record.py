@@ -198,6 +198,19 @@ def trial_config(trial: Any) -> FsdpConfig | None:
     return _parsed_config(json.dumps(data, sort_keys=True)) if data else None
 
 
+def value_of(trial: Any) -> float:
+    """A measured trial's tokens/s (a complete trial always has one)."""
+    if trial.value is None:
+        raise ValueError(f"trial #{trial.number} has no value")
+    return float(trial.value)
+
+
+def config_key(trial: Any) -> str | None:
+    """The key of the configuration ``trial`` ran, or None when it recorded none."""
+    cfg = trial_config(trial)
+    return cfg.key() if cfg is not None else None
+
+
 @functools.lru_cache(maxsize=4096)
 def _parsed_config(text: str) -> FsdpConfig:
     # Stopping rules and claims look at every trial's configuration after each

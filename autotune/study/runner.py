@@ -39,7 +39,7 @@ from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed
 from autotune.study.record import StudyAttr, is_extrapolated, search_trials
 from autotune.study.confirm import MAX_FINALISTS
 from autotune.study.progress import Reporter
-from autotune.study.search import ModelSearch, held_keys, host_priors
+from autotune.study.search import ModelSearch, PlannedSampler, held_keys, host_priors
 from autotune.study.verdict import Role, Verdict, store_verdict
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper, StopReason
 from autotune.study.trial_depth import DepthPlan, StudyDepth, plan_depths
@@ -61,7 +61,7 @@ class RunOutcome:
     # The stop request that ended the run early, if one did.
     interrupted: interrupts.Interrupted | None = None
     # The confirmation round's verdict (also the study's "confirmation" attribute), if one ran.
-    verdict: dict[str, Any] | None = None
+    verdict: Verdict | None = None
 
 
 @dataclass
@@ -118,13 +118,13 @@ def run_study(
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     owned = forks is None and launch is None
-    if owned:
+    if forks is None and launch is None:
         forks = ForkServer(model=settings.study.model)
     start = time.perf_counter()
     try:
         parts = _assemble(settings, host, model, launch, estimator, storage, forks)
     except BaseException:
-        if owned:
+        if owned and forks is not None:
             forks.close()
         raise
     interrupted, result = None, None
@@ -140,7 +140,7 @@ def run_study(
     finally:
         parts.reporter.close_bar()
         parts.gate.close()
-        if owned:
+        if owned and forks is not None:
             forks.close()
         _record_exclusions(parts)
         plan = parts.gate.plan
@@ -177,7 +177,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
                           gate=gate, claims=Claims(study, study_mutex(study, folder / "claims.lock"),
                                         settings.execution.trial_timeout_s + 60),
                           reporter=reporter, folder=folder, search=search,
-                          sampler=sampler if search is not None else None)
+                          sampler=sampler if search is not None and isinstance(sampler, PlannedSampler) else None)
     objective.depth = StudyDepth(depth_plan(study, settings, model, reporter.say),
                                  lambda plan: study.set_user_attr(StudyAttr.TRIAL_DEPTH, plan), reporter.say)
     space_keys = {c.key() for c in candidates} if len(candidates) <= 4 * MAX_IDLE_DRAWS or search else None

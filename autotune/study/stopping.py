@@ -8,7 +8,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import Choice
-from autotune.study.record import Attr, Cause, trial_config
+from autotune.study.record import Attr, Cause, config_key
 from autotune.study.progress import Reporter
 from autotune.study.objective import RunCounts
 
@@ -42,7 +42,7 @@ class Stopper:
         self.space_keys = space_keys
         self.reporter = reporter
         self.search = search
-        self.reason: str | None = None
+        self.reason: StopReason | None = None
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         reason = self.why_stop(study)
@@ -91,8 +91,8 @@ class Stopper:
         or an interrupted trial may go another way next time, so it is not one."""
         if self.space_keys is None:
             return False
-        settled = {trial_config(t).key() for t in study.get_trials(deepcopy=False)
-                   if trial_config(t) and (t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+        settled = {config_key(t) for t in study.get_trials(deepcopy=False)
+                   if config_key(t) and (t.state in (TrialState.COMPLETE, TrialState.PRUNED)
                                            or (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == Cause.CRASH))}
         return self.space_keys <= settled
 

@@ -222,7 +222,9 @@ def _storage_class() -> type:
     # Optuna fails the trials its heartbeat check finds stale, then calls the
     # stale-trial callback; the cause must be written before, while the trial
     # is still RUNNING. Every tuner that sees it stale writes the same cause.
-    class HostSerializedRDBStorage(with_stale_trial_hook(_resilient(RDBStorage), mark_dead_tuners_trial)):
+    base: Any = with_stale_trial_hook(_resilient(RDBStorage), mark_dead_tuners_trial)
+
+    class HostSerializedRDBStorage(base):
         """RDBStorage whose WAITING -> RUNNING step is atomic across threads and processes.
 
         Optuna takes an enqueued trial by reading that it is WAITING and writing
@@ -236,7 +238,7 @@ def _storage_class() -> type:
             self._autotune_url = url
             super().__init__(url, **kwargs)
 
-        def set_trial_state_values(self, trial_id, state, values=None):  # type: ignore[override]
+        def set_trial_state_values(self, trial_id, state, values=None):
             try:
                 if state != TrialState.RUNNING:
                     return super().set_trial_state_values(trial_id, state, values)

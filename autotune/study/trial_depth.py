@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from autotune.config import FsdpConfig
 from autotune.errors import UsageError
@@ -122,14 +122,14 @@ def _plan_depths(setting: str, num_layers: int | None, block_period: int, builda
     why_not = _why_full_depth(num_layers, buildable, estimated)
     if setting != "auto":
         depths = tuple(int(p) for p in setting.split(","))
-        if why_not is not None:
+        if why_not is not None or num_layers is None:
             raise UsageError(f"--trial-depth {setting}: {why_not}; use --trial-depth full")
         if depths[-1] >= num_layers:
             raise UsageError(f"--trial-depth {setting}: the model has {num_layers} blocks; give copies shallower than "
                              "that, or --trial-depth full")
         return DepthPlan(setting, num_layers, depths, "as asked")
-    if why_not is not None:
-        return DepthPlan(setting, num_layers, reason=why_not)
+    if why_not is not None or num_layers is None:
+        return DepthPlan(setting, num_layers, reason=why_not or "")
     # Checkpointing every other block repeats in pairs; a model's own pattern (alternating attention) in its period.
     unit = _lcm(block_period, 2 if "every_other_layer" in space_checkpointing else 1)
     low = _round_up(DEPTHS[0], unit)
@@ -140,7 +140,7 @@ def _plan_depths(setting: str, num_layers: int | None, block_period: int, builda
     return DepthPlan(setting, num_layers, depths, f"{num_layers} blocks")
 
 
-def after_check(plan: DepthPlan, points: list[Mapping[str, Any]], line_check: float | None) -> DepthPlan:
+def after_check(plan: DepthPlan, points: Sequence[Mapping[str, Any]], line_check: float | None) -> DepthPlan:
     """The plan once the first shallow trial timed its three copies: kept when the
     middle copy lies on the line through the others within the timing noise,
     else deeper copies, else full depth; the check is recorded either way."""
@@ -218,7 +218,7 @@ class StudyDepth:
             self._say(f"Trial depth: {whole}; such configurations run whole.")
         return depths
 
-    def after_trial(self, points: list[Mapping[str, Any]], line_check: float | None) -> None:
+    def after_trial(self, points: Sequence[Mapping[str, Any]], line_check: float | None) -> None:
         """Apply a shallow trial's check of its line (:func:`after_check`), store the plan and say what changed."""
         if line_check is None:
             return
@@ -228,4 +228,5 @@ class StudyDepth:
                 return
             self.plan = plan
             self._store(plan.to_dict())
-        self._say(f"Trial depth: {plan.check['verdict']}; {plan.describe()}.")
+        verdict = (plan.check or {}).get("verdict")
+        self._say(f"Trial depth: {verdict}; {plan.describe()}.")

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from autotune.config import Status, TrialRequest, load_request, write_json_atomic
 from autotune.worker.failures import is_out_of_memory
-from autotune.worker.measure import cap_in_force
 from autotune.worker.result import build_result
 from autotune.launch.process_life import die_with_parent
 from autotune.worker.runtime import init_distributed
@@ -113,6 +112,7 @@ def shallow_trial(request: TrialRequest, rank: Any, mesh: Any, phases: dict[str,
         failed.depth_points, failed.full_depth = [p.to_dict() for p in points if p.step_time_s], request.full_depth
         return failed
     full = request.full_depth
+    assert full is not None  # a shallow request names the depth its line is extended to
     step_time = step_time_at(points, full)
     interval = interval_at(points, full)
     (d0, r0), (d1, r1) = results[0], results[-1]
@@ -177,8 +177,9 @@ def _device_figures() -> dict:
     figures = {"peak_reserved": torch.cuda.max_memory_reserved(device),
                "peak_allocated": torch.cuda.max_memory_allocated(device),
                "outside_allocator": outside_allocator(torch.device("cuda", device))}
-    if cap_in_force() is not None:
-        figures["cap_bytes"] = cap_in_force().cap_bytes
+    cap = cap_in_force()
+    if cap is not None:
+        figures["cap_bytes"] = cap.cap_bytes
     return figures
 
 

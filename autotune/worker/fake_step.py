@@ -19,7 +19,7 @@ import json
 import sys
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,7 @@ class BreakdownTracker(LiveStorageTracker):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, fake_mode: FakeTensorMode,
-                 blocks: list[torch.nn.Module] = (), period: int = 1, offloaded: bool = False) -> None:
+                 blocks: Sequence[torch.nn.Module] = (), period: int = 1, offloaded: bool = False) -> None:
         super().__init__(fake_mode=fake_mode)
         self.model = model
         self.optimizer = optimizer
@@ -89,7 +89,8 @@ class BreakdownTracker(LiveStorageTracker):
     def __enter__(self) -> BreakdownTracker:
         # The step starts resharded: what the model holds now is what FSDP keeps between steps.
         self._sharded = list(self.model.parameters())
-        return super().__enter__()
+        super().__enter__()
+        return self
 
     def enter(self, phase: str, region: int | str) -> None:
         self.phase, self.region = phase, region
@@ -301,9 +302,9 @@ def register_fake_collectives() -> None:
         if hasattr(c10d, "FakeWork"):
             return c10d.FakeWork().boxed()
         # torch < 2.9 has no FakeWork: a work made from a future that has its result.
-        future = torch.futures.Future()
+        future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
-        return c10d._create_work_from_future(future).boxed()
+        return c10d._create_work_from_future(future).boxed()  # type: ignore[attr-defined]  # torch < 2.9 only
 
     def kernel(returns_first: bool) -> Callable[..., Any]:
         def run(*args: Any) -> Any:

@@ -271,7 +271,7 @@ def apply_fsdp2(
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dtypes = PRECISION_DTYPES[mixed_precision]
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy() if dtypes is None else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
@@ -296,7 +296,8 @@ def apply_fsdp2_prefetch(units: list[nn.Module], forward: bool) -> None:
     prefetch of the previous unit matches FSDP2's default; setting it explicitly
     keeps it when units are not run in their registration order.
     """
-    for i, unit in enumerate(units):
+    for i, module in enumerate(units):
+        unit: Any = module  # an FSDPModule since fully_shard; nn.Module's typing cannot say so
         if forward and i + 1 < len(units):
             unit.set_modules_to_forward_prefetch([units[i + 1]])
         if i > 0:
@@ -327,7 +328,7 @@ def size_based_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
 
     def visit(module: nn.Module, in_checkpoint: bool) -> tuple[int, dict[int, int]]:
         """(parameters below not yet in a unit, each once; tied parameters seen below: id -> users seen)."""
-        remaining, seen = 0, {}
+        remaining, seen = 0, dict[int, int]()
         for p in module.parameters(recurse=False):
             if id(p) not in counted:
                 counted.add(id(p))
@@ -438,15 +439,17 @@ def init_weights(module: nn.Module, owner: nn.Module, recurse: bool = True) -> N
     submodule's ``reset_parameters``.
     """
     targets = module.modules() if recurse else [module]
+    init: Any = getattr(owner, "_init_weights", None)
     for sub in targets:
-        if hasattr(owner, "_init_weights"):
-            owner._init_weights(sub)
-        elif hasattr(sub, "reset_parameters"):
-            sub.reset_parameters()
+        reset: Any = getattr(sub, "reset_parameters", None)
+        if init is not None:
+            init(sub)
+        elif reset is not None:
+            reset()
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_sync(model: Any, enabled: bool) -> Iterator[None]:
     """Sync gradients across ranks in this backward (``enabled``), or keep them
     on the rank to accumulate: FSDP1's ``no_sync()``, FSDP2's
     ``set_requires_gradient_sync(False)``. Accumulated gradients are unsharded

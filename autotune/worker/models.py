@@ -14,7 +14,7 @@ import importlib
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -126,7 +126,7 @@ def parameters_on_meta() -> Iterator[None]:
             return None
         return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
-    handle = register_module_parameter_registration_hook(to_meta)
+    handle = register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]  # it may return one
     try:
         yield
     finally:
@@ -152,7 +152,8 @@ def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str =
             module = getattr(importlib.import_module(module_name), function_name)()
             if not isinstance(module, nn.Module):
                 raise TypeError(f"{spec.value} returned {type(module).__name__}, not a torch.nn.Module")
-            vocab_size = getattr(getattr(module, "config", None), "vocab_size", None) or getattr(module, "vocab_size")
+            # getattr gives Any, where a Module's attribute is typed Tensor | Module.
+            vocab_size = getattr(getattr(module, "config", None), "vocab_size", None) or getattr(module, "vocab_size")  # noqa: B009
         else:
             config = _transformers_config(spec, num_blocks)
             module = _causal_lm_class(config)(config)
@@ -195,4 +196,5 @@ def apply_lora(module: nn.Module, lora: LoraSpec) -> tuple[nn.Module, list[str]]
     config = LoraConfig(r=lora.rank, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
                         target_modules=list(lora.target_modules) or None, task_type="CAUSAL_LM")
     model = get_peft_model(module, config, low_cpu_mem_usage=True)
-    return model, sorted(model.peft_config["default"].target_modules)
+    resolved: Any = model.peft_config["default"]  # a LoraConfig: peft types it as its base class
+    return model, sorted(resolved.target_modules)

@@ -66,14 +66,15 @@ def start_rank(config: str, trial_dir: Path) -> tuple[Any, IO[bytes]]:
             print(f"autotune: fork server unavailable ({exc}); starting the rank in a fresh interpreter", flush=True)
         finally:
             os.close(write_fd)
-    child = subprocess.Popen(
+    fresh = subprocess.Popen(
         [sys.executable, "-m", "autotune.worker", config, str(trial_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         preexec_fn=die_with_parent,
     )
-    return child, child.stdout
+    assert fresh.stdout is not None  # piped above
+    return fresh, fresh.stdout
 
 
 def main(argv: list[str]) -> int:

@@ -97,6 +97,11 @@ class Trainer:
         self._scale = scale
         return stepped
 
+    def last_loss(self) -> float:
+        """The last step's mean loss (a host read)."""
+        assert self.loss is not None, "no step has run"
+        return float(self.loss.item())
+
 
 @dataclass
 class Measurement:
@@ -157,7 +162,7 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
             timed_step, request.timed_steps, request.timing_ci, request.abort_below_tokens_per_s, per_step,
             request.timing_budget_s)
         result.skipped_steps += skipped
-        result.loss_last = float(trainer.loss.item())
+        result.loss_last = trainer.last_loss()
         if device.type == "cuda" and result.memory is not None:
             add_run_figures(result.memory, device)
         dist.barrier()
@@ -180,12 +185,12 @@ def warm_up(trainer: Trainer, request: TrialRequest, rank: Rank, result: Measure
         result.skipped_steps += not trainer.step()
         if i > 0:
             continue
-        result.loss_first = float(trainer.loss.item())
+        result.loss_first = trainer.last_loss()
         synchronize(rank.device)
         result.phases["first_step_s"] = time.perf_counter() - start
         if cap_in_force() is not None and request.memory_budget_bytes is not None:
             cap_allocator(request.memory_budget_bytes, rank.device)
-        if first_step_judges(rank.device, request):
+        if first_step_judges(rank.device, request) and request.abort_below_tokens_per_s is not None:
             first = per_step / _max_across_ranks(result.phases["first_step_s"], rank.device)
             if first < request.abort_below_tokens_per_s / WARMUP_ABORT_SLACK:
                 result.aborted_tokens_per_s = first
