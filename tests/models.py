@@ -50,7 +50,26 @@ class _CrashOnRank1LM(_TinyLM):
 
 class _HangingLM(_TinyLM):
     def forward(self, input_ids, labels=None):
+        # With AUTOTUNE_TEST_PID_DIR set, each rank says it reached its training step (a test waits for that,
+        # not for a guessed number of seconds), then hangs there.
+        import os
+        from pathlib import Path
+
+        if os.environ.get(PID_DIR_VAR) and not _is_fake(input_ids):
+            Path(os.environ[PID_DIR_VAR], f"rank-{os.getpid()}.forward").write_text("in forward\n")
         time.sleep(3600)
+
+
+def wait_for_ranks_in_forward(pid_dir, count: int, timeout_s: float = 60.0) -> bool:
+    """Whether ``count`` ranks of tests.models:hang reached their forward (markers in ``pid_dir``) in time."""
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout_s
+    while len(list(Path(pid_dir).glob("rank-*.forward"))) < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def tiny():

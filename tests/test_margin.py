@@ -66,7 +66,10 @@ def test_a_margin_asked_for_while_another_thread_calibrates_it_is_never_none(mon
 
     calibrate = gate_module.calibrated_margin
 
+    calibrating = threading.Event()
+
     def slow(*args, **kwargs):
+        calibrating.set()
         time.sleep(0.3)
         return calibrate(*args, **kwargs)
 
@@ -75,7 +78,7 @@ def test_a_margin_asked_for_while_another_thread_calibrates_it_is_never_none(mon
                                   ("LlamaDecoderLayer",), 20 * 10**9, "cpu", None, lambda _: None)
     first = threading.Thread(target=gate.refresh)
     first.start()
-    time.sleep(0.1)  # the first refresh is calibrating
+    assert calibrating.wait(10)  # the first refresh is calibrating: margin() meets it halfway
     margin = gate.margin()
     first.join()
     assert margin is not None and margin.factor >= 1.0

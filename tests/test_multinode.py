@@ -15,6 +15,7 @@ from autotune.config import FsdpConfig, TrialRequest
 from autotune.launch.launcher import launch_trial, process_tree
 from autotune.launch.multinode import launch_local, node_devices, srun_command
 from tests.conftest import REPO, processes_mentioning, run_cli
+from tests.models import PID_DIR_VAR, wait_for_ranks_in_forward
 
 LAYER = ("LlamaDecoderLayer",)
 
@@ -58,6 +59,8 @@ def test_a_node_lost_mid_trial_ends_it_at_once_and_leaves_nothing(tmp_path):
     box = {}
     env_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env_path]))
+    (tmp_path / "pids").mkdir()
+    os.environ[PID_DIR_VAR] = str(tmp_path / "pids")
     try:
         worker = threading.Thread(target=lambda: box.update(out=launch_local(request, tmp_path, 1, 120, "cpu", (0, 1), None)))
         start = time.monotonic()
@@ -68,12 +71,14 @@ def test_a_node_lost_mid_trial_ends_it_at_once_and_leaves_nothing(tmp_path):
                           Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")), None)
             time.sleep(0.2)
         assert agent is not None, "node 1's agent never started"
-        time.sleep(8)  # its rank is training (hung in the test model's forward)
+        # Both ranks are training (hung in the test model's forward).
+        assert wait_for_ranks_in_forward(tmp_path / "pids", 2), "the ranks never reached their forward"
         for pid in process_tree(agent):  # the whole node goes away
             os.kill(pid, signal.SIGKILL)
         worker.join(60)
     finally:
         os.environ.pop("PYTHONPATH") if env_path is None else os.environ.update(PYTHONPATH=env_path)
+        os.environ.pop(PID_DIR_VAR, None)
     result = box["out"].result
     assert result.status == "node_lost" and "node 1" in result.error
     assert time.monotonic() - start < 60, "the trial waited for its timeout"

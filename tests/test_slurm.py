@@ -9,6 +9,7 @@ import optuna
 import pytest
 
 from tests.conftest import REPO, processes_mentioning
+from tests.models import PID_DIR_VAR, wait_for_ranks_in_forward
 
 pytestmark = pytest.mark.torchrun
 
@@ -27,11 +28,17 @@ print("RESULT " + json.dumps({**out.result.to_dict(), "wall_s": out.wall_s}))
 
 
 def _in_allocation(slurm, tmp_path, *command: str, timeout: float = 300):
-    env = {**slurm.env, "PYTHONPATH": str(REPO)}
+    env = {**slurm.env, "PYTHONPATH": str(REPO), PID_DIR_VAR: str(_pid_dir(tmp_path))}
     done = __import__("subprocess").run(["salloc", "--nodes", "1", "--ntasks", "2", "--overcommit", "--job-name",
                                          "autotune-test", *command], capture_output=True, text=True, env=env,
                                         cwd=tmp_path, timeout=timeout)
     return done
+
+
+def _pid_dir(tmp_path):
+    """Where tests.models:hang's ranks say they reached their forward."""
+    (tmp_path / "pids").mkdir(exist_ok=True)
+    return tmp_path / "pids"
 
 
 def _argv(pid: int) -> list[str]:
@@ -96,14 +103,12 @@ def test_a_killed_tuner_takes_its_job_step_with_it(slurm, tmp_path):
     import signal
     import subprocess
 
-    env = {**slurm.env, "PYTHONPATH": str(REPO)}
+    env = {**slurm.env, "PYTHONPATH": str(REPO), PID_DIR_VAR: str(_pid_dir(tmp_path))}
     tuner = subprocess.Popen(["salloc", "--nodes", "1", "--ntasks", "2", "--overcommit", "--job-name", "autotune-kill",
                               sys.executable, "-c", TRIAL, "tests.models:hang", "300", str(tmp_path / "trial")],
                              env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not processes_mentioning(str(tmp_path / "trial" / "config.json")) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(5)
+    # The step runs: both ranks are in their forward.
+    assert wait_for_ranks_in_forward(_pid_dir(tmp_path), 2), "the ranks never reached their forward"
     driver = next(pid for pid in processes_mentioning("launch_slurm") if pid != tuner.pid)
     os.kill(driver, signal.SIGKILL)  # the tuner dies without any clean-up of its own
     deadline = time.monotonic() + 45
@@ -131,7 +136,8 @@ def test_a_node_whose_task_goes_away_ends_the_step_as_node_lost(slurm, tmp_path)
                   if _argv(pid)[1:3] == ["-m", "autotune.worker.node_agent"]]  # not srun, whose arguments name it
         time.sleep(0.2)
     assert len(agents) == 2, "the step's two node agents never started"
-    time.sleep(8)  # the ranks are training (hung in the test model's forward)
+    # The ranks are training (hung in the test model's forward).
+    assert wait_for_ranks_in_forward(_pid_dir(tmp_path), 2), "the ranks never reached their forward"
     for pid in process_tree(max(agents)):
         os.kill(pid, __import__("signal").SIGKILL)
     thread.join(120)
