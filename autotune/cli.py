@@ -216,7 +216,8 @@ def _add_estimate(commands: Any) -> None:
                     "that fits for each sharding x checkpointing x precision among the configurations estimated.")
     estimate.add_argument("--mem-budget", required=True, metavar="SIZE", help="per-rank memory budget, e.g. 80GB or 70GiB (required)")
     estimate.add_argument("--model", default="llama-tiny", help="preset, Hugging Face model id, config.json path or module:function (default: llama-tiny)")
-    estimate.add_argument("--nproc", type=_positive_int, default=2, help="world size: ranks in all (default: 2)")
+    estimate.add_argument("--nproc", type=_positive_int, default=2,
+                          help="ranks per node, as in autotune run: the world size is --nproc x --nnodes (default: 2)")
     estimate.add_argument("--nnodes", type=_positive_int, default=1, help="nodes the ranks are spread over; hybrid sharding needs 2+ (default: 1)")
     estimate.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sample (default: 256 for llama-tiny, else 2048)")
     estimate.add_argument("--space", default="default", help="search space YAML file or built-in name (default: default)")

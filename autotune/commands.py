@@ -256,8 +256,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     spec = parse_model_spec(args.model)
     lora = lora_spec(args)
     space = load_space(args.space)
-    if args.nproc % args.nnodes:
-        raise UsageError(f"--nproc {args.nproc} is not a multiple of --nnodes {args.nnodes}; give ranks that the nodes share evenly")
     # As `run` does: the probe and every fake step forked from one server, which pays torch's imports once.
     forks = ForkServer(model=_model_argument(spec, args.model))
     try:
@@ -283,15 +281,17 @@ def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note:
         print(f"autotune estimate: {seq_note}", file=sys.stderr)
-    topology = Topology(args.nproc, args.nnodes, model.num_params, model.num_layers)
+    # --nproc is ranks per node, as in `run` (before, here, it was the world size).
+    world = args.nproc * args.nnodes
+    topology = Topology(world, args.nnodes, model.num_params, model.num_layers)
     # Each class once; hybrid groups that do not divide the ranks cannot be formed.
     configs = [c for c in space.enumerate(model.layer_classes, topology)
-               if not (c.is_hybrid and c.shard_group_size and args.nproc % c.shard_group_size)]
+               if not (c.is_hybrid and c.shard_group_size and world % c.shard_group_size)]
     limit = args.limit or (len(configs) if len(configs) <= 64 else 64)
     if limit < len(configs):
         configs = random.Random(args.seed).sample(configs, limit)
     margin = default_margin(args.device)
-    client = EstimatorClient(_model_argument(spec, args.model), args.nproc, args.nnodes, seq_len,
+    client = EstimatorClient(_model_argument(spec, args.model), world, args.nnodes, seq_len,
                              exact=args.exact, lora=lora, forks=forks)
     progress = None if args.format == "json" else (
         lambda i, cfg: print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True))
@@ -302,10 +302,11 @@ def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space
     finally:
         client.close()
     if args.format == "json":
-        print(estimates_json(rows, {"model": args.model, "world_size": args.nproc, "nnodes": args.nnodes,
+        print(estimates_json(rows, {"model": args.model, "world_size": world, "nnodes": args.nnodes,
                                     "seq_len": seq_len, "budget_bytes": budget}, margin))
         return 0
-    print(f"{model.class_name} ({model.num_params / 1e9:.2f}B params), world size {args.nproc} on {args.nnodes} node(s), "
+    print(f"{model.class_name} ({model.num_params / 1e9:.2f}B params), world size {world} ({args.nproc} per node x "
+          f"{args.nnodes} node(s)), "
           f"seq len {seq_len}, budget {args.mem_budget} = {format_bytes(budget)} per rank; margin: {margin.source}.")
     print(estimates_table(rows))
     return 0

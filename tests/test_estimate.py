@@ -135,7 +135,7 @@ def test_tight_budget_prunes_before_launching(tmp_path, forks):
 
 @pytest.mark.parametrize("args, words", [
     (["--model", "llama-404"], ["llama-404", "unknown preset"]),
-    (["--nproc", "6", "--nnodes", "4"], ["--nproc 6", "--nnodes 4"]),
+    (["--nproc", "0"], ["--nproc", "at least 1"]),
 ])
 def test_estimate_bad_input(tmp_path, args, words, forks):
     done = run_cli("estimate", "--mem-budget", "80GB", *args, cwd=tmp_path, forks=forks)
@@ -180,8 +180,12 @@ def test_estimate_json_gives_every_row_a_peak(tmp_path, forks):
     # fp16 with offload, through the CLI; without offload, test_fp16_is_estimated_with_its_grad_scaler's four.
     space.write_text("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP]\n"
                      "mixed_precision: fp16\ncpu_offload: true\nmicro_batch_size: 1\n")
-    done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "-f", "json", cwd=tmp_path, forks=forks)
+    # --nproc is ranks per node, as in `run`: one rank on each of two nodes is a world of 2 (it was refused, when
+    # --nproc meant the world size here and 1 rank did not split over 2 nodes).
+    done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "-f", "json",
+                   "--nproc", "1", "--nnodes", "2", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["world_size"] == 2 and json.loads(done.stdout)["nnodes"] == 2
     rows = json.loads(done.stdout)["configurations"]
     assert len(rows) == 4
     for row in rows:
