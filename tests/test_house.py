@@ -85,6 +85,26 @@ def test_no_import_cycle_among_the_projects_modules():
     assert not cycles, cycles
 
 
+# What the worker may import from the launcher: helpers of the standard library's kind, holding no driver state.
+WORKER_MAY_USE = {"autotune.launch.process_life", "autotune.launch.forkserver", "autotune.launch.locks",
+                  "autotune.launch.devices", "autotune.launch.trial_files"}
+
+
+def test_launch_and_worker_import_in_one_direction():
+    """The launcher starts the worker as a process and reads its files; it never imports it. The worker uses only
+    the launcher's stdlib-only helpers (docs/architecture.md)."""
+    launch_to_worker = {m: sorted(d for d in _imports(p, m) if d.startswith("autotune.worker"))
+                        for m, p in MODULES.items() if m.startswith("autotune.launch")}
+    assert {m: d for m, d in launch_to_worker.items() if d} == {}
+    worker_to_launch = {m: sorted(d for d in _imports(p, m) if d.startswith("autotune.launch.") and d not in WORKER_MAY_USE)
+                        for m, p in MODULES.items() if m.startswith("autotune.worker")}
+    assert {m: d for m, d in worker_to_launch.items() if d} == {}
+    for helper in WORKER_MAY_USE:
+        outside = {d for d in _imports(MODULES[helper], helper)
+                   if d not in WORKER_MAY_USE and d not in ("autotune", "autotune.interrupts", "autotune.launch")}
+        assert not outside, f"{helper}, which the worker imports, imports {sorted(outside)}"
+
+
 MAX_CLASS_LINES = 150
 MAX_FUNCTION_LINES = 60
 

@@ -119,7 +119,7 @@ def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_
 
 def test_a_lost_node_is_read_from_the_node_records_never_from_the_log(tmp_path):
     from autotune.launch.multinode import lost_node
-    from autotune.worker.node_agent import record_path
+    from autotune.launch.trial_files import node_record_path as record_path
 
     def record(node, **fields):
         record_path(tmp_path, node).write_text(json.dumps({"node": node, "exit_code": None, "signal": None,

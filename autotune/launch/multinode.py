@@ -37,7 +37,7 @@ from autotune.launch.forkserver import ForkServer
 from autotune.launch.process_life import die_with_parent
 from autotune.launch.launcher import (LaunchOutcome, LocalAgents, LostNode, kill_process_tree, run_agents,
                                       start_torchrun, trial_env)
-from autotune.worker.node_agent import record_path
+from autotune.launch.trial_files import node_record_path
 
 
 def free_port() -> int:
@@ -173,7 +173,7 @@ def lost_node(trial_dir: Path, nnodes: int, step_ended: bool, step_failed: bool)
     records = {}
     for node in range(nnodes):
         try:
-            records[node] = json.loads(record_path(trial_dir, node).read_text())
+            records[node] = json.loads(node_record_path(trial_dir, node).read_text())
         except (OSError, ValueError):
             continue
     for node, record in sorted(records.items()):

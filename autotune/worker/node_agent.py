@@ -29,10 +29,7 @@ from pathlib import Path
 
 from autotune.config import write_json_atomic
 from autotune.launch.process_life import die_with_parent
-
-
-def record_path(trial_dir: Path, node: int) -> Path:
-    return trial_dir / f"node{node}.exit.json"
+from autotune.launch.trial_files import node_record_path
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +38,7 @@ def main(argv: list[str]) -> int:
         return 2
     trial_dir, command = Path(argv[0]), argv[2:]
     node = int(os.environ.get("SLURM_PROCID", "0"))
-    path = record_path(trial_dir, node)
+    path = node_record_path(trial_dir, node)
     # A task whose slurmstepd is gone is told to stop, as Slurm would have done.
     die_with_parent(signal.SIGTERM)
     agent = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
