@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import optuna
 
-from autotune.config import FsdpConfig
+from autotune.config import SEARCH_FIELDS, FsdpConfig
 from autotune.launch.host import HostInfo
 from autotune.study.record import Attr
 from autotune.study.space import SearchSpace
@@ -42,9 +42,6 @@ def enqueue_baseline(study: optuna.Study, recipe: FsdpConfig) -> None:
 
 
 def as_params(cfg: FsdpConfig) -> dict[str, Any]:
-    """Enqueued parameters: every field, so the trial is exactly ``cfg`` even
-    where the space file does not offer that value."""
-    data = cfg.to_dict()
-    data.pop("transformer_layer_cls")
-    data.pop("reshard_after_forward")
-    return data
+    """Every searchable field of ``cfg``: what an enqueued or planned trial fixes, so the trial is exactly ``cfg``
+    even where the space file does not offer that value."""
+    return {f.name: getattr(cfg, f.name) for f in SEARCH_FIELDS}

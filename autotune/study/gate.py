@@ -27,7 +27,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.config import FsdpConfig
-from autotune.study.figures import FakeStepFigures
+from autotune.study.fake_step_cache import FakeStepFigures
 from autotune.study.margin import Margin, calibrated_margin, fit_chance
 from autotune.study.memory_order import Witnesses
 from autotune.study.peak_model import PeakModel
@@ -85,7 +85,7 @@ class Cores:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class FitVerdict:
     """The gate's judgement of one configuration."""
 
     chance: float
@@ -145,28 +145,28 @@ class MemoryGate:
         verdict = self.judge(cfg, estimate=False)
         return None if verdict is None else (verdict.chance, verdict.reason)
 
-    def judge(self, cfg: FsdpConfig, estimate: bool = True) -> Verdict | None:
+    def judge(self, cfg: FsdpConfig, estimate: bool = True) -> FitVerdict | None:
         """The chance ``cfg`` fits, judged as cheaply as the answer allows (see the
         module's docstring); None when that takes a fake step and ``estimate`` is off."""
         if not self.plan.active:
-            return Verdict(1.0)
+            return FitVerdict(1.0)
         if self.plan.mbs_cap is not None and cfg.micro_batch_size > self.plan.mbs_cap:
-            return Verdict(0.0, f"micro_batch_size {cfg.micro_batch_size} is above {self.plan.mbs_cap or 'every choice'}, "
+            return FitVerdict(0.0, f"micro_batch_size {cfg.micro_batch_size} is above {self.plan.mbs_cap or 'every choice'}, "
                                 "the largest that may fit even with the most frugal choices of the space")
         known = self.figures.known(cfg)
         if known is None:
             ordered = self.witnesses.judge(cfg)
             if ordered is not None:
                 self.plan.judged_free += 1
-                return Verdict(*ordered)
+                return FitVerdict(*ordered)
             if not estimate:
                 return None
         prediction = known or self.prediction(cfg)
         if prediction is None:
-            return Verdict(1.0)
+            return FitVerdict(1.0)
         return self._verdict(cfg, prediction)
 
-    def _verdict(self, cfg: FsdpConfig, prediction: dict[str, Any]) -> Verdict:
+    def _verdict(self, cfg: FsdpConfig, prediction: dict[str, Any]) -> FitVerdict:
         margin = self.margin()
         tensor, method = prediction["peak_bytes"], prediction.get("method")
         device_peak = margin.apply(tensor)
@@ -174,9 +174,9 @@ class MemoryGate:
         if chance >= 1.0:
             self.witnesses.fits(cfg, measured=False)
         if chance > 0.0:
-            return Verdict(chance, None, prediction, device_peak)
+            return FitVerdict(chance, None, prediction, device_peak)
         self.witnesses.over(cfg, f"predicted at {format_bytes(device_peak)}", measured=False)
-        return Verdict(0.0, f"predicted peak {format_bytes(device_peak)} ({method}, margin: {margin.source}) is over the "
+        return FitVerdict(0.0, f"predicted peak {format_bytes(device_peak)} ({method}, margin: {margin.source}) is over the "
                             f"budget {format_bytes(self.budget_bytes)}, even at the estimate's low side "
                             f"{format_bytes(margin.lowest(tensor, method))}", prediction, device_peak)
 
@@ -278,7 +278,7 @@ def largest_micro_batch(gate: MemoryGate) -> int | None:
     return 0
 
 
-def record_verdict(trial: optuna.Trial, verdict: Verdict, margin_source: str, budget_bytes: int) -> None:
+def record_verdict(trial: optuna.Trial, verdict: FitVerdict, margin_source: str, budget_bytes: int) -> None:
     """What the gate said of a trial's configuration, on the trial: its chance to
     fit, its prediction and, when it does not fit, a positive constraint."""
     if verdict.chance < 1.0:

@@ -35,7 +35,8 @@ from autotune.study.record import (
     value_of, write_extrapolated, write_failure, write_measurement, write_memory,
 )  # fmt: skip
 from autotune.study.progress import Reporter
-from autotune.study.search import ModelSearch, PlannedSampler, config_params
+from autotune.study.baseline import as_params
+from autotune.study.search import ModelSearch, PlannedSampler
 from autotune.study.space import SearchSpace
 from autotune.study.trial_depth import DepthPlan, StudyDepth
 from autotune.units import format_bytes
@@ -97,7 +98,7 @@ def draw(trial: optuna.Trial, study: optuna.Study, space: SearchSpace, layer_cla
             trial.set_user_attr(Attr.PRUNE_REASON, reason)
             raise optuna.TrialPruned(reason)
         sampler.plan(trial.number, proposal)
-        fixed = config_params(proposal)
+        fixed = as_params(proposal)
     drawn = space.suggest(trial, layer_classes, fixed)
     cfg = canonical(drawn, topology)
     if cfg != drawn:

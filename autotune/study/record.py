@@ -4,7 +4,7 @@ Optuna keeps a trial's facts as string-keyed user attributes. The writers
 (the objective, the memory gate, the claims) and the readers (the trials
 table, the summary, the report, the export, the dashboard, the benchmarks)
 all use the names below, and the helpers that read a record
-(:func:`is_feasible`, :func:`best_feasible`, :func:`trial_config`) live
+(:func:`is_feasible`, :func:`best_search_trial`, :func:`trial_config`) live
 here too, so no reader needs the orchestrator.
 
 Optuna's own fields carry the rest: the value is tokens/s, the state is
@@ -160,14 +160,6 @@ def is_feasible(trial: Any) -> bool:
     from optuna.trial import TrialState
 
     return trial.state == TrialState.COMPLETE and all(v <= 0 for v in trial.constraints.values())
-
-
-def best_feasible(study: Any) -> Any | None:
-    """The fastest feasible trial (Optuna's best trial respects the constraint), or None."""
-    try:
-        return study.best_trial
-    except ValueError:
-        return None
 
 
 def is_confirmation(trial: Any) -> bool:

@@ -34,6 +34,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import SEARCH_FIELDS, FsdpConfig, Status
 from autotune.launch.host import HostInfo
+from autotune.study.baseline import as_params
 from autotune.study.frontier import FitOracle, FrontierPlan
 from autotune.study.record import Attr, Cause, trial_config
 
@@ -98,11 +99,6 @@ def host_priors(host: HostInfo, seq_len: int, micro_batches: tuple[int, ...]) ->
     else:
         batch = {m: 0.1 * math.log2(m) for m in micro_batches}
     return Priors(precision_effects(host), batch, compile_effect(host))
-
-
-def config_params(cfg: FsdpConfig) -> dict[str, Any]:
-    """Every searchable field of ``cfg``: what an enqueued trial fixes."""
-    return {f.name: getattr(cfg, f.name) for f in SEARCH_FIELDS}
 
 
 # Failures that may not repeat: the configuration is worth another launch.
@@ -364,7 +360,7 @@ class PlannedSampler(optuna.samplers.BaseSampler):
         self._fallback = optuna.samplers.RandomSampler()
 
     def plan(self, number: int, cfg: FsdpConfig) -> None:
-        self._plans[number] = config_params(cfg)
+        self._plans[number] = as_params(cfg)
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
         return {}
