@@ -173,7 +173,8 @@ def main() -> int:
              f"{datetime.date.today().isoformat()}", "",
              f"Machine: {machine()}. A {full}-block Llama-shaped config (hidden 256, vocab 4096), 2 ranks, seq len "
              f"{SEQ_LEN}; shallow trials time copies of {' and '.join(map(str, depths))} blocks in one torchrun job and "
-             f"extend their line. Command: `python benchmarks/shallow_trials.py{' --quick' if args.quick else ''}`.", "",
+             f"extend their line. Command: `python benchmarks/shallow_trials.py{' --quick' if args.quick else ''}"
+             f"{' --no-study' if args.no_study else ''}{f' --repeats {args.repeats}' if args.repeats != 3 else ''}`.", "",
              f"## Accuracy and order: {len(figures)} configurations, {len(figures[0]['full'])} interleaved round(s) each", "",
              "| configuration | extrapolated tok/s | full depth tok/s (CV) | error | shallow wall s | full wall s |",
              "|---|---:|---:|---:|---:|---:|", *rows, "",
