@@ -117,11 +117,11 @@ def run_study(model: str, depth: str, work: Path, launches: int, rounds: int) ->
             "summary": summary.strip().splitlines()[-12:]}
 
 
-def _block_params(model: str) -> int:
-    """One decoder block's parameters, as the host probe counts them."""
-    from autotune.worker.models import build_model
+def _block_params(model: str) -> int | None:
+    """One decoder block's parameters, from the host probe the tuner asks."""
+    from autotune.launch.host import probe
 
-    return sum(p.numel() for p in build_model(model, LAYER, num_blocks=1).layers[0].parameters())
+    return probe(model, LAYER)[1].block_params
 
 
 def spearman(a: list[float], b: list[float]) -> float:

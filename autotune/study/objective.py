@@ -133,6 +133,13 @@ def trial_request(settings: RunSettings, cfg: FsdpConfig, quiet_lock: str | None
                         depths=depths, full_depth=full_depth if depths else None, abort_below_tokens_per_s=abort_below)
 
 
+def _tokens_per_s(result: TrialResult) -> float:
+    """The tokens/s of a result that has them (measured, or stopped early): a result without is a worker's bug."""
+    if result.tokens_per_s is None:
+        raise ValueError(f"a {result.status} trial result without tokens/s")
+    return float(result.tokens_per_s)
+
+
 def record_extrapolated(trial: optuna.Trial, result: TrialResult, budget_bytes: int) -> str:
     """A shallow trial: its line's speed and the fit the full-depth estimate predicted; its line."""
     peak = write_extrapolated(trial, result, budget_bytes)
@@ -252,13 +259,13 @@ class Objective:
         if result.status == Status.OK and result.depth_points:
             self._line(trial, cfg, record_extrapolated(trial, result, budget))
             self.depth.after_trial(result.depth_points, result.line_check)
-            return float(result.tokens_per_s or 0.0)
+            return _tokens_per_s(result)
         if result.status == Status.OK:
             peak = write_measurement(trial, result, budget)
             fit = "fits" if peak <= budget else f"OVER budget by {format_bytes(peak - budget)}"
             self._line(trial, cfg, f"{result.tokens_per_s:,.0f} tok/s, peak {format_bytes(peak)} ({fit}), "
                                    f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
-            return float(result.tokens_per_s or 0.0)
+            return _tokens_per_s(result)
         if result.status == Status.ABORTED:
             self._tally(aborted=1)
             reason = (f"hopeless: {result.tokens_per_s:,.0f} tok/s over the first timed steps, under 1/{ABORT_FACTOR:g} "
@@ -266,7 +273,7 @@ class Objective:
             trial.set_user_attr(Attr.ABORTED, True)
             trial.set_user_attr(Attr.TOKENS_PER_S_PARTIAL, result.tokens_per_s)
             trial.set_user_attr(Attr.PRUNE_REASON, reason)
-            trial.report(float(result.tokens_per_s or 0.0), step=0)
+            trial.report(_tokens_per_s(result), step=0)
             self._line(trial, cfg, f"stopped early, {reason}")
             raise optuna.TrialPruned(reason)
         if result.status == Status.OOM:

@@ -117,15 +117,15 @@ def run_study(
     # Optuna logs every caught trial failure with its traceback; the tuner
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    owned = forks is None and launch is None
-    if forks is None and launch is None:
-        forks = ForkServer(model=settings.study.model)
+    # A fork server of this run's own when the caller brought neither one nor a launch; closed at the end.
+    owned = ForkServer(model=settings.study.model) if forks is None and launch is None else None
+    forks = owned if owned is not None else forks
     start = time.perf_counter()
     try:
         parts = _assemble(settings, host, model, launch, estimator, storage, forks)
     except BaseException:
-        if owned and forks is not None:
-            forks.close()
+        if owned is not None:
+            owned.close()
         raise
     interrupted, result = None, None
     try:
@@ -140,8 +140,8 @@ def run_study(
     finally:
         parts.reporter.close_bar()
         parts.gate.close()
-        if owned and forks is not None:
-            forks.close()
+        if owned is not None:
+            owned.close()
         _record_exclusions(parts)
         plan = parts.gate.plan
         parts.study.set_user_attr(StudyAttr.ESTIMATE_COSTS, {
