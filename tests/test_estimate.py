@@ -185,8 +185,9 @@ def test_estimate_json_gives_every_row_a_peak(tmp_path, forks):
     done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "-f", "json",
                    "--nproc", "1", "--nnodes", "2", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["world_size"] == 2 and json.loads(done.stdout)["nnodes"] == 2
-    rows = json.loads(done.stdout)["configurations"]
+    doc = json.loads(done.stdout)
+    assert doc["world_size"] == 2 and doc["nnodes"] == 2
+    rows = doc["configurations"]
     assert len(rows) == 4
     for row in rows:
         assert "error" not in row, row
