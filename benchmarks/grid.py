@@ -39,7 +39,7 @@ from autotune.study.margin import memory_key
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.host import host_incompatibility, probe
 from autotune.launch.launcher import launch_trial
-from autotune.config import SEARCH_FIELDS
+from autotune.config import DIMENSIONS
 from autotune.stats import mean_ci95
 from autotune.study.baseline import standard_recipe
 from autotune.study.space import load_space
@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from reporting import machine  # noqa: E402
 
-FIELDS = [f.name for f in SEARCH_FIELDS]
+FIELDS = [f.name for f in DIMENSIONS]
 COLUMNS = [
     *FIELDS, "label", "status", "tokens_per_s", "tokens_per_s_ci_low", "tokens_per_s_ci_high", "tokens_per_s_runs",
     "peak_memory_bytes", "predicted_peak_bytes",
@@ -73,7 +73,7 @@ def read_table(path: Path) -> tuple[dict[str, str], list[dict[str, str]]]:
 def row_config(row: dict[str, str], layer_classes: tuple[str, ...]) -> FsdpConfig:
     """The configuration a table row holds, typed as the vocabulary wants it."""
     values = {}
-    for dim in SEARCH_FIELDS:
+    for dim in DIMENSIONS:
         text = row.get(dim.name)
         if not text:
             # A field added after the table was measured, or one left at None

@@ -31,6 +31,8 @@ CONFIGS = {
                                            transformer_layer_cls=LAYER, mixed_precision="bf16"),
     "fsdp2-selective-compile": FsdpConfig(fsdp_version=2, transformer_layer_cls=LAYER, mixed_precision="bf16",
                                           activation_checkpointing="selective", compile=True, micro_batch_size=2),
+    "fsdp2-partial-reshard": FsdpConfig(fsdp_version=2, transformer_layer_cls=LAYER, mixed_precision="bf16",
+                                        reshard_group_size=2, micro_batch_size=2),
 }
 
 

@@ -199,3 +199,72 @@ def test_optunas_private_api_is_read_in_one_module():
     outside = [f"{name}: {hit}" for name, path in MODULES.items() if name != "autotune.study.optuna_internals"
                for hit in private.findall(path.read_text())]
     assert not outside, outside
+
+
+def declaration_problems(dim) -> list[str]:
+    """What a search dimension's declaration lacks (autotune.config.dimensions): everything the tuner derives
+    from it must be there, so that no gate, order, prior or rule silently skips a new dimension."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    from autotune.config import FsdpConfig
+    from autotune.config.dimensions import DEFAULTS, MemoryOrder, SpeedContext
+    from tests.test_partial_reshard import CPU
+
+    problems = []
+    if dim.name not in {f.name for f in dataclasses.fields(FsdpConfig)} or dim.name not in DEFAULTS:
+        problems.append("no FsdpConfig field or default")
+    memory = dim.memory
+    if not isinstance(memory, MemoryOrder) or not all(callable(f) for f in (getattr(memory, "at_least", None),
+                                                                            getattr(memory, "hungriest", None),
+                                                                            getattr(memory, "frugal", None))):
+        return problems + ["no memory order with its hungriest and most frugal value"]
+    options = dim.allowed or (DEFAULTS[dim.name] or dim.minimum, 2, 8)
+    options = tuple(dict.fromkeys((*options, *dim.aliases.values())))
+    hungriest, frugal = memory.hungriest(options), memory.frugal(options)
+    if hungriest not in options or frugal not in options:
+        problems.append("hungriest or most frugal value is not an offered one")
+    elif memory.estimated and any(memory.at_least(o, hungriest) and not memory.at_least(hungriest, o) for o in options):
+        problems.append(f"a value needs more memory than its hungriest {hungriest!r}")
+    elif memory.estimated and any(memory.at_least(frugal, o) and not memory.at_least(o, frugal) for o in options):
+        problems.append(f"a value needs less memory than its most frugal {frugal!r}")
+    try:
+        priors = [dim.prior(o, SpeedContext(CPU, 64)) for o in options]
+        if not all(isinstance(p, float) for p in priors):
+            problems.append("a prior that is not a float of log tokens/s")
+    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+        problems.append(f"no prior ({exc!r})")
+    for part in ("host_rule", "simplest", "label"):
+        if not callable(getattr(dim, part, None)):
+            problems.append(f"no {part}")
+    if not dim.apply:
+        problems.append("no apply_* step")
+    for step in dim.apply:
+        module, _, name = step.rpartition(".")
+        function = getattr(importlib.import_module(f"autotune.worker.{module}"), name, None) if module else None
+        if function is None or dim.name not in inspect.getsource(function):
+            problems.append(f"the apply step {step} is not a function of autotune.worker or never reads {dim.name}")
+    return problems
+
+
+def test_every_search_dimension_is_declared_whole():
+    from autotune.config import DIMENSIONS
+
+    assert {dim.name: declaration_problems(dim) for dim in DIMENSIONS} == {dim.name: [] for dim in DIMENSIONS}
+
+
+@pytest.mark.parametrize("lacking", ["memory order", "prior", "hungriest value", "apply step"])
+def test_a_dimension_lacking_a_part_of_its_declaration_is_found(lacking):
+    import dataclasses
+
+    from autotune.config.dimensions import DIMENSION
+
+    dim = DIMENSION["reshard_group_size"]
+    broken = {
+        "memory order": dataclasses.replace(dim, memory=None),
+        "prior": dataclasses.replace(dim, prior=None),
+        "hungriest value": dataclasses.replace(dim, memory=dataclasses.replace(dim.memory, hungriest=lambda o: None)),
+        "apply step": dataclasses.replace(dim, apply=("fsdp.apply_fsdp1",)),
+    }[lacking]
+    assert declaration_problems(broken)

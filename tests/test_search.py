@@ -185,7 +185,7 @@ def test_a_search_sampler_of_optuna_still_runs(tmp_path):
 def test_the_prior_follows_what_the_probe_measured_of_each_precision():
     import dataclasses
 
-    from autotune.study.search import precision_effects
+    from autotune.config.dimensions import precision_effects
 
     amx = dataclasses.replace(HOST, bf16_speedup=7.3, fp16_speedup=0.06)  # this VM: bf16 fast, fp16 20x slow
     effects = precision_effects(amx)
@@ -202,12 +202,13 @@ def test_the_prior_follows_what_the_probe_measured_of_each_precision():
 def test_fp16_on_a_host_that_runs_it_slowly_is_not_where_the_search_starts(tmp_path):
     import dataclasses
 
-    from autotune.study.search import ModelSearch, host_priors
+    from autotune.study.priors import host_priors
+    from autotune.study.search import ModelSearch
 
     space = settings(tmp_path, "mixed_precision: [fp32, bf16, fp16]\nsharding_strategy: [FULL_SHARD, NO_SHARD]\n"
                                "micro_batch_size: [1, 2]\n").study.space
     host = dataclasses.replace(HOST, bf16_speedup=7.3, fp16_speedup=0.06)
-    search = ModelSearch(space.enumerate(LAYER), LAYER, lambda cfg: (1.0, None), host_priors(host, 32, (1, 2)))
+    search = ModelSearch(space.enumerate(LAYER), LAYER, lambda cfg: (1.0, None), host_priors(host, 32))
     assert [c.mixed_precision for c in search.frontier()] == ["bf16", "bf16"]
     study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
     assert search.propose(study).mixed_precision == "bf16"
@@ -237,7 +238,8 @@ def test_the_frontier_spans_checkpointing_and_micro_batch_and_the_probe_orders_i
     saturated by a few hundred tokens, no recompute comes first."""
     import dataclasses
 
-    from autotune.study.search import ModelSearch, host_priors
+    from autotune.study.priors import host_priors
+    from autotune.study.search import ModelSearch
 
     space = settings(tmp_path, "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: bf16\n"
                                "activation_checkpointing: [none, selective, full]\nmicro_batch_size: [1, 2, 4, 8]\n").study.space
@@ -252,7 +254,7 @@ def test_the_frontier_spans_checkpointing_and_micro_batch_and_the_probe_orders_i
     cpu = dataclasses.replace(HOST, saturation={256: 1.0, 2048: 1.0, 16384: 0.98})
     order = {}
     for name, host in (("gpu", gpu), ("cpu", cpu)):
-        frontier = ModelSearch(candidates, LAYER, fits, host_priors(host, 2048, (1, 2, 4, 8))).frontier()
+        frontier = ModelSearch(candidates, LAYER, fits, host_priors(host, 2048)).frontier()
         order[name] = [(c.sharding_strategy, c.activation_checkpointing, c.micro_batch_size) for c in frontier]
     # The least communicating strategy that fits spans the checkpointing modes at the largest micro batch each
     # fits (none fits nowhere here), then each other strategy once, at what the probe expects fastest.

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.config import FsdpConfig
+from autotune.config.dimensions import Placement, host_reason
 from autotune.errors import UsageError
 from autotune.launch.forkserver import ForkServer, run_forked
 
@@ -156,16 +157,6 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
 
 def host_incompatibility(cfg: FsdpConfig, host: HostInfo, nnodes: int = 1, world_size: int | None = None) -> str | None:
     """Why ``cfg`` cannot run on this host (with ``world_size`` ranks over
-    ``nnodes`` nodes), or None. Such configurations are ruled out before
-    launch with this reason."""
-    if cfg.cpu_offload and host.device_type != "cuda":
-        return "cpu_offload needs an accelerator: on a CPU-only host PyTorch refuses it"
-    if cfg.is_hybrid and world_size is not None and cfg.shard_group_size is not None and world_size % cfg.shard_group_size:
-        return f"shard_group_size={cfg.shard_group_size} does not divide the {world_size} ranks into equal shard groups"
-    if cfg.mixed_precision.startswith("bf16") and not host.bf16_supported:
-        return "bf16 is not supported on this device"
-    if cfg.mixed_precision == "fp16" and not host.fp16_supported:
-        return "fp16 is not supported on this device"
-    if cfg.compile and not host.compile_supported:
-        return f"compile needs a toolchain for torch.compile's kernels: {host.compile_note}"
-    return None
+    ``nnodes`` nodes), or None: each dimension's declared host rule. Such
+    configurations are ruled out before launch with this reason."""
+    return host_reason(cfg.to_dict(), Placement(host, nnodes, world_size))

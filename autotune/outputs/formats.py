@@ -31,6 +31,7 @@ def _common_notes(cfg: FsdpConfig, target: str, device: str | None = None) -> li
         notes.append(f"shard_group_size={cfg.shard_group_size}: {target} shards hybrid strategies within a node; "
                      f"build the (replicate, shard) device mesh with shard groups of {cfg.shard_group_size} ranks "
                      "yourself, or use the python export's apply_fsdp")
+    notes += _partial_reshard_notes(cfg, target)
     if cfg.activation_checkpointing == "every_other_layer":
         notes.append(f"activation_checkpointing=every_other_layer: {target} checkpoints every layer or none; "
                      "exported as every layer (more recompute, less memory than measured)")
@@ -44,6 +45,16 @@ def _common_notes(cfg: FsdpConfig, target: str, device: str | None = None) -> li
         notes.append(f"mixed_precision=bf16_fp32_reduce: {target} has no key for an fp32 gradient reduce; "
                      "exported as bf16 (set reduce_dtype=float32 in code to match the measurement)")
     return notes
+
+
+def _partial_reshard_notes(cfg: FsdpConfig, target: str) -> list[str]:
+    """A reshard group (fully_shard's reshard_after_forward as an int), which no consumer's config can say."""
+    if cfg.reshard_group_size is None:
+        return []
+    return [f"reshard_group_size={cfg.reshard_group_size}: {target} reshards after forward over every rank or none; "
+            "exported as resharding over every rank (less memory, more backward all-gather traffic than measured); "
+            f"pass fully_shard(..., reshard_after_forward={cfg.reshard_group_size}) in code, or use the python "
+            "export's apply_fsdp"]
 
 
 def _lora_notes(doc: dict[str, Any], target: str, how: str) -> list[str]:
@@ -186,6 +197,7 @@ def _torchtitan_common(doc: dict[str, Any], notes: list[str]) -> tuple[FsdpConfi
         notes.append("forward_prefetch=true: torchtitan has no forward prefetch option; dropped")
     if cfg.mixed_precision == "fp16":
         notes.append("mixed_precision=fp16: torchtitan trains in bf16 or fp32 only; exported as bfloat16")
+    notes += _partial_reshard_notes(cfg, "torchtitan")
     if cfg.sharding_strategy == "NO_SHARD":
         shard, replicate = 1, world
     elif cfg.is_hybrid:

@@ -9,7 +9,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.config import SEARCH_FIELDS
+from autotune.config import DIMENSIONS
 from autotune.study.record import (
     CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_extrapolated, is_feasible, trial_config, value_of,
 )  # fmt: skip
@@ -22,7 +22,7 @@ EXTRAPOLATED_NOTE = " (extrapolated from shallow copies; peak estimated)"
 INFEASIBLE = "#b0b0b0"
 # The search dimensions, as the space defines them; min_num_params is a number
 # within one wrap policy, not a choice worth a box plot of its own.
-DIMENSIONS = tuple(f.name for f in SEARCH_FIELDS if f.name != "min_num_params")
+PLOTTED = tuple(f.name for f in DIMENSIONS if f.name != "min_num_params")
 
 
 def _measured(study: optuna.Study) -> list[FrozenTrial]:
@@ -108,7 +108,7 @@ def dimension_figure(trials: list[FrozenTrial]):
     from plotly.subplots import make_subplots
 
     measured = [(cfg.to_dict(), value_of(t)) for t in trials if (cfg := trial_config(t)) is not None]
-    varying = [dim for dim in DIMENSIONS if len({str(config[dim]) for config, _ in measured}) > 1]
+    varying = [dim for dim in PLOTTED if len({str(config[dim]) for config, _ in measured}) > 1]
     if not varying:
         return None
     cols = 2

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import optuna
 
-from autotune.config import SEARCH_FIELDS, FsdpConfig
+from autotune.config import DIMENSIONS, FsdpConfig
 from autotune.launch.host import HostInfo
 from autotune.study.record import Attr
 from autotune.study.space import SearchSpace
@@ -44,4 +44,4 @@ def enqueue_baseline(study: optuna.Study, recipe: FsdpConfig) -> None:
 def as_params(cfg: FsdpConfig) -> dict[str, Any]:
     """Every searchable field of ``cfg``: what an enqueued or planned trial fixes, so the trial is exactly ``cfg``
     even where the space file does not offer that value."""
-    return {f.name: getattr(cfg, f.name) for f in SEARCH_FIELDS}
+    return {f.name: getattr(cfg, f.name) for f in DIMENSIONS}

@@ -24,78 +24,34 @@ tests/test_equivalence.py, which measures them again):
 - FSDP1 NO_SHARD in fp32 never unshards (no all-gather, no cast), so neither
   backward prefetch nor the all-gather limit does anything (forward prefetch
   does: 1.5% more peak at seq 64, though none at seq 128);
-- checkpointing every other layer of a one-layer model is checkpointing it.
+- checkpointing every other layer of a one-layer model is checkpointing it;
+- an FSDP2 reshard group of every rank a parameter is sharded over is plain
+  resharding (torch turns that int into True).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from autotune.config import HYBRID_STRATEGIES, FsdpConfig
+from autotune.config import FsdpConfig, Topology
+from autotune.config.dimensions import simplest_fields
 
-# The values a field falls back to when a rule makes it meaningless, so that
-# every member of a class has one key.
-_DEFAULTS = {name: getattr(FsdpConfig, name) for name in
-             ("forward_prefetch", "backward_prefetch", "limit_all_gathers", "min_num_params", "shard_group_size")}
-
-
-@dataclass(frozen=True)
-class Topology:
-    """What decides which configurations are one program: the ranks, the nodes and the model."""
-
-    world_size: int
-    nnodes: int = 1
-    # Parameters and repeated blocks of the model (None: unknown, and the rules
-    # that need them do not apply).
-    num_params: int | None = None
-    num_layers: int | None = None
-
-    @property
-    def node_size(self) -> int:
-        return self.world_size // self.nnodes
+__all__ = ["Topology", "canonical", "canonical_fields", "classes"]
 
 
 def canonical(cfg: FsdpConfig, topology: Topology) -> FsdpConfig:
     """The simplest member of ``cfg``'s class (``cfg`` itself when it is one)."""
     fields = cfg.to_dict()
-    changes = {k: v for k, v in canonical_fields(fields, topology).items() if fields[k] != v}
+    changes = canonical_fields(fields, topology)
     return cfg.replace(**changes) if changes else cfg
 
 
 def canonical_fields(fields: Mapping[str, Any], topology: Topology) -> dict[str, Any]:
     """:func:`canonical` on a mapping of searchable fields (what enumeration walks
-    through before any configuration object exists): the fields that change."""
-    changes: dict[str, Any] = {}
-    strategy = fields["sharding_strategy"]
-    if strategy in HYBRID_STRATEGIES:
-        group = fields["shard_group_size"] or topology.node_size
-        if group == topology.world_size:
-            strategy = "FULL_SHARD" if strategy == "HYBRID_SHARD" else "SHARD_GRAD_OP"
-        elif group == 1:
-            strategy = "NO_SHARD"
-        elif fields["shard_group_size"] == topology.node_size:
-            changes["shard_group_size"] = None  # "node" is the simpler name of the same groups
-    version = fields["fsdp_version"]
-    if topology.world_size == 1 and (version == 1 or strategy == "SHARD_GRAD_OP"):
-        strategy = "NO_SHARD"
-    if strategy != fields["sharding_strategy"]:
-        changes.update(sharding_strategy=strategy, shard_group_size=None)
-    wrap = fields["auto_wrap_policy"]
-    if wrap == "size_based" and topology.num_params is not None and fields["min_num_params"] > topology.num_params:
-        wrap = changes["auto_wrap_policy"] = "none"
-    if wrap != "size_based":
-        changes["min_num_params"] = _DEFAULTS["min_num_params"]
-    never_unshards = version == 1 and strategy == "NO_SHARD" and fields["mixed_precision"] == "fp32"
-    if wrap == "none":
-        changes["forward_prefetch"] = _DEFAULTS["forward_prefetch"]
-    if version == 1 and (wrap == "none" or never_unshards):
-        changes["backward_prefetch"] = _DEFAULTS["backward_prefetch"]
-    if never_unshards:
-        changes["limit_all_gathers"] = _DEFAULTS["limit_all_gathers"]
-    if fields["activation_checkpointing"] == "every_other_layer" and topology.num_layers == 1:
-        changes["activation_checkpointing"] = "full"
-    return {k: v for k, v in changes.items() if fields[k] != v}
+    through before any configuration object exists): the fields that change. Each
+    dimension declares its own rule (``autotune.config.dimensions``)."""
+    simplest = simplest_fields(fields, topology)
+    return {k: v for k, v in simplest.items() if fields[k] != v}
 
 
 def classes(configs: Iterable[FsdpConfig], topology: Topology) -> list[FsdpConfig]:

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from autotune.config import FsdpConfig
+from autotune.config import DIMENSION, DIMENSIONS, FsdpConfig
 
-# Sharding strategies by how much they communicate, least first: with the
-# memory to spare, less sharding is usually faster.
-BY_COMMUNICATION = ("NO_SHARD", "HYBRID_SHARD_ZERO2", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
+# Sharding strategies by how much they communicate, least first (the strategy's declared preference):
+# with the memory to spare, less sharding is usually faster.
+BY_COMMUNICATION = DIMENSION["sharding_strategy"].preferred
+# The dimensions the frontier walks itself; among configurations equal in them, each other dimension's
+# declared preference picks the variant an expert starts from.
+FRONTIER_AXES = ("sharding_strategy", "shard_group_size", "mixed_precision", "activation_checkpointing",
+                 "micro_batch_size")
+_VARIANT_DIMENSIONS = tuple(d for d in DIMENSIONS if d.name not in FRONTIER_AXES)
 
 
 def frontier_configs(candidates: list[FsdpConfig], fits: Callable[[FsdpConfig], bool], fast_precisions: tuple[str, ...],
@@ -76,7 +81,7 @@ def frontier_strategies(candidates: list[FsdpConfig]) -> list[tuple[str, int]]:
 SPANNED_CHECKPOINTING = ("none", "selective", "full")
 
 
-# Checkpointing modes and precisions, least memory first.
+# Checkpointing modes and precisions, least memory first (their memory orders).
 FRUGAL_CHECKPOINTING = ("full", "every_other_layer", "selective", "none")
 FRUGAL_PRECISION = ("bf16", "fp16", "bf16_fp32_reduce", "fp32")
 
@@ -99,9 +104,9 @@ def _most_frugal_fits(group: list[FsdpConfig], fits: Callable[[FsdpConfig], bool
 
 
 def preferred(c: FsdpConfig) -> tuple:
-    """Among configurations of one size, the variant an expert starts from."""
-    return (c.fsdp_version != 2, c.auto_wrap_policy != "transformer_layer", c.forward_prefetch, c.cpu_offload,
-            c.backward_prefetch != "BACKWARD_PRE", not c.limit_all_gathers, c.compile)
+    """Among configurations of one size, the variant an expert starts from (each dimension's declared preference:
+    FSDP2, one unit per layer, no extra prefetch, no offload or compile, whole-group resharding)."""
+    return tuple(d.preference(getattr(c, d.name)) for d in _VARIANT_DIMENSIONS)
 
 
 def _largest_fitting(group: list[FsdpConfig], checkpointing: str, fits: Callable[[FsdpConfig], bool]) -> FsdpConfig | None:

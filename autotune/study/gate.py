@@ -27,6 +27,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.config import FsdpConfig
+from autotune.config.dimensions import extreme_fields
 from autotune.study.fake_step_cache import FakeStepFigures
 from autotune.study.margin import Margin, calibrated_margin, fit_chance
 from autotune.study.memory_order import Witnesses
@@ -294,39 +295,14 @@ def record_verdict(trial: optuna.Trial, verdict: FitVerdict, margin_source: str,
         set_constraint(trial, float(verdict.device_peak - budget_bytes) if verdict.device_peak else 1.0)
 
 
-def _first_offered(space: SearchSpace, name: str, preference: tuple) -> Any:
-    """The space's choice for ``name`` that comes first in ``preference``."""
-    options = space.choices.get(name, (getattr(FsdpConfig, name),))
-    return next((o for o in preference if o in options), options[0])
-
-
 def hungriest_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> FsdpConfig:
-    """The space's choices that cost most memory: no sharding, one unit, fp32,
-    no checkpointing or offload, prefetch on, the largest micro batch."""
-    version = _first_offered(space, "fsdp_version", (2, 1))
-    return FsdpConfig(
-        fsdp_version=version,
-        sharding_strategy=_first_offered(space, "sharding_strategy", ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD", "FULL_SHARD")),
-        auto_wrap_policy=_first_offered(space, "auto_wrap_policy", ("none", "size_based", "transformer_layer")),
-        min_num_params=max(space.choices.get("min_num_params", (FsdpConfig.min_num_params,))),
-        mixed_precision=_first_offered(space, "mixed_precision", ("fp32", "bf16_fp32_reduce", "fp16", "bf16")),
-        activation_checkpointing=_first_offered(space, "activation_checkpointing", ("none", "selective", "every_other_layer", "full")),
-        forward_prefetch=_first_offered(space, "forward_prefetch", (True, False)),
-        backward_prefetch=_first_offered(space, "backward_prefetch", ("BACKWARD_PRE", "BACKWARD_POST", "none")) if version == 1 else "BACKWARD_PRE",
-        micro_batch_size=max(space.choices.get("micro_batch_size", (1,))),
-        transformer_layer_cls=layer_classes,
-    )
+    """The space's choices that cost most memory, each dimension's as it declares
+    (no sharding, one unit, fp32, no checkpointing or offload, prefetch on, the largest micro batch)."""
+    return FsdpConfig(**extreme_fields(space.choices, hungriest=True), transformer_layer_cls=layer_classes)
 
 
 def frugal_config(space: SearchSpace, layer_classes: tuple[str, ...]) -> FsdpConfig:
-    """The space's choices that cost least memory (but CPU offload, which the
-    host may not run): full sharding, per-layer units, bf16, full checkpointing."""
-    return FsdpConfig(
-        fsdp_version=_first_offered(space, "fsdp_version", (2, 1)),
-        sharding_strategy=_first_offered(space, "sharding_strategy", ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD")),
-        auto_wrap_policy=_first_offered(space, "auto_wrap_policy", ("transformer_layer", "size_based", "none")),
-        min_num_params=min(space.choices.get("min_num_params", (FsdpConfig.min_num_params,))),
-        mixed_precision=_first_offered(space, "mixed_precision", ("bf16", "fp16", "bf16_fp32_reduce", "fp32")),
-        activation_checkpointing=_first_offered(space, "activation_checkpointing", ("full", "every_other_layer", "selective", "none")),
-        transformer_layer_cls=layer_classes,
-    )
+    """The space's choices that cost least memory, each dimension's as it declares: full sharding, per-layer
+    units, bf16, full checkpointing, CPU offload where the space offers it (a cap planned without it would
+    rule out offloaded configurations that fit; where the host cannot offload, it is only looser)."""
+    return FsdpConfig(**extreme_fields(space.choices, hungriest=False), transformer_layer_cls=layer_classes)

@@ -6,56 +6,20 @@ precision, less sharding, prefetching on, the all-gather limit off, no CPU
 offload. The memory gate uses it both ways: a configuration that needs at
 least as much as one known not to fit does not fit, and one that needs no
 more than one known to fit fits, so most of a space is decided by a few
-estimates. Each order was measured on llama-tiny (tests/test_equivalence.py
-and benchmarks/results/estimator_accuracy_cpu.md); choices with no sure sign
-(the FSDP version, the wrap policy, FSDP1's pre- against post-backward
-prefetch) must be equal.
+estimates. Each dimension declares its order (``autotune.config.dimensions``); choices
+with no sure sign (the FSDP version, the wrap policy, FSDP1's pre- against
+post-backward prefetch) must be equal.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-from autotune.config import FsdpConfig
+from autotune.config import FsdpConfig, dimensions
 from autotune.study.record import Attr, trial_config
 
 
-def _ranked(*chains: tuple[Any, ...]) -> Callable[[Any, Any], bool]:
-    """``at_least(a, b)``: a == b, or a comes before b in one of the chains (most memory first)."""
-    def at_least(a: Any, b: Any) -> bool:
-        return a == b or any(a in chain and b in chain and chain.index(a) < chain.index(b) for chain in chains)
-
-    return at_least
-
-
-_AT_LEAST: dict[str, Callable[[Any, Any], bool]] = {
-    "micro_batch_size": lambda a, b: a >= b,
-    # Selective checkpointing keeps the matmul outputs that full checkpointing
-    # recomputes; every other layer keeps half the layers whole.
-    "activation_checkpointing": _ranked(("none", "selective", "full"), ("none", "every_other_layer", "full")),
-    "mixed_precision": _ranked(("fp32", "bf16_fp32_reduce", "bf16"), ("fp32", "fp16", "bf16")),
-    "sharding_strategy": _ranked(("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")),
-    "forward_prefetch": lambda a, b: a >= b,
-    "backward_prefetch": _ranked(("BACKWARD_PRE", "none"), ("BACKWARD_POST", "none")),
-    "limit_all_gathers": lambda a, b: a <= b,
-    "cpu_offload": lambda a, b: a <= b,
-}
-# Fields that do not change the fake step's figure (compiled blocks are estimated eagerly).
-_IGNORED = ("compile", "reshard_after_forward")
-
-
 def needs_at_least(a: FsdpConfig, b: FsdpConfig) -> bool:
-    """Whether ``a`` needs at least as much memory per rank as ``b``."""
-    if a.sharding_strategy != b.sharding_strategy and (a.is_hybrid or b.is_hybrid):
-        return False
-    for name, value in a.to_dict().items():
-        other = getattr(b, name)
-        if name in _IGNORED or value == other:
-            continue
-        order = _AT_LEAST.get(name)
-        if order is None or not order(value, other):
-            return False
-    return True
+    """Whether ``a`` needs at least as much memory per rank as ``b`` (each dimension's declared order)."""
+    return dimensions.needs_at_least(a.to_dict(), b.to_dict())
 
 
 class Witnesses:

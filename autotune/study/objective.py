@@ -36,7 +36,8 @@ from autotune.study.record import (
 )  # fmt: skip
 from autotune.study.progress import Reporter
 from autotune.study.baseline import as_params
-from autotune.study.search import ModelSearch, PlannedSampler
+from autotune.study.planned_sampler import PlannedSampler
+from autotune.study.search import ModelSearch
 from autotune.study.space import SearchSpace
 from autotune.study.trial_depth import DepthPlan, StudyDepth
 from autotune.units import format_bytes

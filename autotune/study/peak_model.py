@@ -16,13 +16,13 @@ import math
 
 import numpy as np
 
-from autotune.config import FsdpConfig
+from autotune.config import ACTIVATION_CHECKPOINTING, DIMENSIONS, FsdpConfig
 
 # The choices the model reads; the micro batch enters through its logarithm.
-_FIELDS = ("fsdp_version", "sharding_strategy", "shard_group_size", "auto_wrap_policy", "min_num_params",
-           "mixed_precision", "activation_checkpointing", "forward_prefetch", "backward_prefetch",
-           "limit_all_gathers", "cpu_offload")
-_CHECKPOINTING = ("none", "selective", "every_other_layer", "full")
+# The choices the model reads: every dimension the fake step sees, but the micro batch (which enters through
+# its logarithm, per checkpointing mode).
+_FIELDS = tuple(d.name for d in DIMENSIONS if d.memory.estimated and d.name not in ("micro_batch_size", "activation_checkpointing"))
+_CHECKPOINTING = ACTIVATION_CHECKPOINTING
 # Fewer figures than this, and the model says nothing.
 MIN_FIGURES = 6
 # The model's spread on log peak is never taken as below this (10%).

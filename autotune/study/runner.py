@@ -39,7 +39,10 @@ from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed
 from autotune.study.record import StudyAttr, is_extrapolated, search_trials
 from autotune.study.confirm import MAX_FINALISTS
 from autotune.study.progress import Reporter
-from autotune.study.search import ModelSearch, PlannedSampler, held_keys, host_priors
+from autotune.study.held_configs import held_keys
+from autotune.study.planned_sampler import PlannedSampler
+from autotune.study.priors import host_priors
+from autotune.study.search import ModelSearch
 from autotune.study.verdict import Role, Verdict, store_verdict
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper, StopReason
 from autotune.study.trial_depth import DepthPlan, StudyDepth, plan_depths
@@ -170,7 +173,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     candidates = runnable_classes(settings, host, model)
     search = None
     if settings.search.sampler == "autotune":
-        priors = host_priors(host, settings.study.seq_len, settings.study.space.choices.get("micro_batch_size", (1,)))
+        priors = host_priors(host, settings.study.seq_len)
         search = ModelSearch(candidates, model.layer_classes, gate, priors, seed=settings.search.seed,
                              use_frontier=settings.search.seed_frontier, say=reporter.say)
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
@@ -278,7 +281,7 @@ def _search(parts: _Parts, on_trial_complete) -> None:
 def _enqueue_frontier(parts: _Parts) -> None:
     """Queue the memory frontier for one of Optuna's samplers (autotune's search proposes it itself)."""
     candidates = runnable_classes(parts.settings, parts.host, parts.model)
-    priors = host_priors(parts.host, parts.settings.study.seq_len, parts.settings.study.space.choices.get("micro_batch_size", (1,)))
+    priors = host_priors(parts.host, parts.settings.study.seq_len)
     seeds = ModelSearch(candidates, parts.model.layer_classes, parts.gate, priors).frontier()
     held = held_keys(parts.study, parts.model.layer_classes)
     for cfg in seeds:

@@ -197,7 +197,7 @@ def make_sampler(search: str, seed: int) -> optuna.samplers.BaseSampler:
     import optuna
 
     if search == "autotune":
-        from autotune.study.search import PlannedSampler
+        from autotune.study.planned_sampler import PlannedSampler
 
         return PlannedSampler()
     if search == "tpe":

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from autotune import config as vocab
-from autotune.config import SEARCH_FIELD, SEARCH_FIELDS, FsdpConfig, SearchField
+from autotune.config import DIMENSION, DIMENSIONS, FsdpConfig, Dimension
 from autotune.errors import UsageError
 from autotune.study.equivalence import Topology, canonical_fields
 
@@ -49,9 +49,9 @@ class SearchSpace:
         text = json.dumps({k: list(v) for k, v in self.choices.items()}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def _walk(self, pick: Callable[[SearchField, tuple], Any], fixed: dict[str, Any]) -> dict[str, Any]:
+    def _walk(self, pick: Callable[[Dimension, tuple], Any], fixed: dict[str, Any]) -> dict[str, Any]:
         picked: dict[str, Any] = {}
-        for dim in SEARCH_FIELDS:
+        for dim in DIMENSIONS:
             drawn = dim.name in self.choices and dim.applies(picked)
             if dim.name in fixed:
                 # A fixed value is drawn through the sampler when the space offers
@@ -70,7 +70,7 @@ class SearchSpace:
         ``fixed`` holds an enqueued trial's values, which win over the space.
         """
 
-        def pick(dim: SearchField, options: tuple) -> Any:
+        def pick(dim: Dimension, options: tuple) -> Any:
             if len(options) == 1:
                 return options[0]
             return trial.suggest_categorical(dim.name, list(options))
@@ -99,10 +99,10 @@ class SearchSpace:
         there, each once under its simplest name (see :mod:`autotune.study.equivalence`)."""
 
         def expand(prefix: dict[str, Any], index: int) -> Iterator[dict[str, Any]]:
-            if index == len(SEARCH_FIELDS):
+            if index == len(DIMENSIONS):
                 yield dict(prefix)
                 return
-            dim = SEARCH_FIELDS[index]
+            dim = DIMENSIONS[index]
             if dim.name in self.choices and dim.applies(prefix):
                 options = self.choices[dim.name]
             else:
@@ -118,7 +118,7 @@ class SearchSpace:
         for picked in expand({}, 0):
             if topology is not None:
                 picked.update(canonical_fields(picked, topology))
-            unique.setdefault(tuple(picked[f.name] for f in SEARCH_FIELDS), picked)
+            unique.setdefault(tuple(picked[f.name] for f in DIMENSIONS), picked)
         return [FsdpConfig(**picked, transformer_layer_cls=layer_classes) for picked in unique.values()]
 
 
@@ -147,9 +147,9 @@ def parse_space(data: Any, path: str) -> SearchSpace:
         raise UsageError(f"{path}: a search space is a mapping of field names to lists of choices, e.g. 'fsdp_version: [1, 2]'")
     choices: dict[str, tuple] = {}
     for key, value in data.items():
-        dim = SEARCH_FIELD.get(key)
+        dim = DIMENSION.get(key)
         if dim is None:
-            raise UsageError(f"{path}: unknown key {key!r}; allowed keys: {', '.join(SEARCH_FIELD)}")
+            raise UsageError(f"{path}: unknown key {key!r}; allowed keys: {', '.join(DIMENSION)}")
         options = [dim.from_yaml(v) for v in (value if isinstance(value, list) else [value])]
         if not options:
             raise UsageError(f"{path}: {key}: the list of choices is empty; give at least one value")

@@ -267,6 +267,33 @@ def grouped_mm_in_any_dtype() -> Iterator[None]:
         moe._can_use_grouped_mm = original
 
 
+@contextlib.contextmanager
+def real_post_forward_meshes() -> Iterator[None]:
+    """FSDP2's partial resharding (``reshard_after_forward`` as an int) built outside fake mode.
+
+    ``fully_shard`` builds the post-forward device mesh from a view of the mesh's rank tensor and reads
+    its ranks back: under fake mode the view is a fake tensor and the read is data-dependent
+    ("DataDependentOutputException: aten._local_scalar_dense", torch 2.13). The mesh is real metadata,
+    as the trial's mesh is, so it is built with real tensors.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    original = _fsdp_init._get_post_forward_mesh_info
+
+    def built_for_real(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    patched = [m for m in (_fsdp_init, _fully_shard) if getattr(m, "_get_post_forward_mesh_info", None) is original]
+    for module in patched:
+        module._get_post_forward_mesh_info = built_for_real
+    try:
+        yield
+    finally:
+        for module in patched:
+            module._get_post_forward_mesh_info = original
+
+
 # Any value will do: the scale is one float, whatever it holds.
 FP16_SCALE = 2.0**16
 
@@ -342,7 +369,8 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
         dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     # The mesh is real metadata; only tensors are fake.
     mesh = build_mesh("cpu", cfg.sharding_strategy, world_size, nnodes, cfg.shard_group_size)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, grouped_mm_in_any_dtype():
+    partial_reshard = real_post_forward_meshes() if cfg.reshard_group_size else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, grouped_mm_in_any_dtype(), partial_reshard:
         built = build_model(model, cfg.transformer_layer_cls, device="cpu", num_blocks=num_blocks)
         if lora is not None:
             add_fake_adapters(built, lora)

@@ -62,6 +62,7 @@ def parallelize(
         )  # fmt: skip
     apply_fsdp2(
         model, blocks, mesh=mesh, reshard_after_forward=config["reshard_after_forward"],
+        reshard_group_size=config.get("reshard_group_size"),
         mixed_precision=config["mixed_precision"], cpu_offload=config["cpu_offload"],
         auto_wrap_policy=config["auto_wrap_policy"], min_num_params=config["min_num_params"],
         forward_prefetch=config["forward_prefetch"],
@@ -266,14 +267,20 @@ def apply_fsdp2(
     auto_wrap_policy: str,
     min_num_params: int,
     forward_prefetch: bool,
+    reshard_group_size: int | None = None,
 ) -> None:
-    """Shard with ``fully_shard``: the chosen units first, then the root."""
+    """Shard with ``fully_shard``: the chosen units first, then the root.
+
+    ``reshard_group_size``: after forward, each unit keeps its parameters sharded over groups of that many
+    ranks instead of all of them (``reshard_after_forward`` as an int): backward all-gathers within the
+    group, one node's ranks for example, at the cost of holding a larger shard between forward and backward.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dtypes = PRECISION_DTYPES[mixed_precision]
     kwargs: dict[str, Any] = dict(
         mesh=mesh,
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=reshard_group_size if reshard_after_forward and reshard_group_size else reshard_after_forward,
         mp_policy=MixedPrecisionPolicy() if dtypes is None else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
