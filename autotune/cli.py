@@ -86,7 +86,8 @@ def _fraction(text: str) -> float:
 
 
 def _add_study_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--storage", default=DEFAULT_STORAGE, help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
+    parser.add_argument("--storage", default=DEFAULT_STORAGE, help="SQLAlchemy URL of the study database (default: "
+                                                                   f"{DEFAULT_STORAGE})")
     parser.add_argument("--study-name", help="study to read (default: the only study in the storage)")
 
 
@@ -113,31 +114,36 @@ def _add_run(commands: Any) -> None:
         ),
     )
     run.add_argument("--mem-budget", required=True, metavar="SIZE",
-                     help="per-rank memory budget, with a unit: 20GB = 20*10^9 bytes, 20GiB = 20*2^30; also MB, MiB, TB, TiB (required)")
+                     help="per-rank memory budget, with a unit: 20GB = 20*10^9 bytes, 20GiB = 20*2^30; also MB, MiB, "
+                          "TB, TiB (required)")
     run.add_argument("--model", default="llama-tiny",
                      help="a preset (llama-tiny, llama-1b, llama-7b, llama-8b, llama-70b), a Hugging Face model id "
-                          "(owner/name: its config.json only, from the cache or the hub), a transformers config.json path, "
-                          "or module:function returning a torch module (default: llama-tiny, the CPU default)")
+                          "(owner/name: its config.json only, from the cache or the hub), a transformers config.json "
+                          "path, or module:function returning a torch module (default: llama-tiny, the CPU default)")
     run.add_argument("--nproc", type=_positive_int, default=None,
                      help="ranks per node (default: the number of visible GPUs, or 2 on a host with none)")
     run.add_argument("--nnodes", type=_positive_int, default=StudySettings.nnodes,
-                     help="nodes each trial spans, --nproc ranks on each, joined by torchrun's c10d rendezvous (default: 1)")
+                     help="nodes each trial spans, --nproc ranks on each, joined by torchrun's c10d rendezvous "
+                          "(default: 1)")
     run.add_argument("--launcher", choices=("auto", *LAUNCHERS), default="auto",
-                     help="what starts a multi-node trial's agents: local (the nodes simulated on this host, to check a "
-                          "configuration before paying for nodes) or slurm (one srun job step in the current allocation, "
-                          "one agent per node); auto is slurm inside an allocation with --nnodes above 1, else local "
-                          "(default: auto)")
+                     help="what starts a multi-node trial's agents: local (the nodes simulated on this host, to check "
+                          "a configuration before paying for nodes) or slurm (one srun job step in the current "
+                          "allocation, one agent per node); auto is slurm inside an allocation with --nnodes above 1, "
+                          "else local (default: auto)")
     run.add_argument("--seq-len", type=_positive_int, default=None,
-                     help="tokens per sample, at most the model's position limit (default: 256 for llama-tiny, else 2048, "
-                          "cut to the model's position limit)")
+                     help="tokens per sample, at most the model's position limit (default: 256 for llama-tiny, else "
+                          "2048, cut to the model's position limit)")
     run.add_argument("--space", default="default",
                      help="search space YAML file, or a built-in name: default, smoke (default: default)")
     run.add_argument("--trials", type=_positive_int, default=SEARCH.trials,
-                     help=f"trials to launch in this run; pruned and reused ones do not count (default: {SEARCH.trials})")
+                     help="trials to launch in this run; pruned and reused ones do not count (default: "
+                          f"{SEARCH.trials})")
     run.add_argument("--trial-timeout", type=_positive_float, default=EXECUTION.trial_timeout_s, metavar="SECONDS",
-                     help=f"kill a trial's whole torchrun job after this long and record it as a timeout (default: {EXECUTION.trial_timeout_s:g})")
+                     help="kill a trial's whole torchrun job after this long and record it as a timeout (default: "
+                          f"{EXECUTION.trial_timeout_s:g})")
     run.add_argument("--study-name", type=_study_name, default=None,
-                     help="study to create or resume (default: derived from model, ranks, seq len, budget and global batch)")
+                     help="study to create or resume (default: derived from model, ranks, seq len, budget and global "
+                          "batch)")
     run.add_argument("--storage", default=DEFAULT_STORAGE,
                      help=f"SQLAlchemy URL of the study database (default: {DEFAULT_STORAGE})")
     run.add_argument("--wrap-class", action="append", default=[], metavar="CLASS",
@@ -160,14 +166,15 @@ def _add_run(commands: Any) -> None:
 def _add_workload_flags(parser: Any) -> None:
     """What is trained: every parameter (the default), or LoRA adapters on frozen weights."""
     parser.add_argument("--lora", type=_positive_int, default=None, metavar="RANK",
-                        help="tune LoRA fine-tuning instead of full training: adapters of this rank (8 and 16 are usual) "
-                             "on frozen base weights, through peft (pip install 'autotune[lora]'); a LoRA study is "
-                             "separate from a full one (default: full training)")
+                        help="tune LoRA fine-tuning instead of full training: adapters of this rank (8 and 16 are "
+                             "usual) on frozen base weights, through peft (pip install 'autotune[lora]'); a LoRA study "
+                             "is separate from a full one (default: full training)")
     parser.add_argument("--lora-targets", default=None, metavar="NAMES",
                         help="comma-separated module names the adapters go on, like q_proj,k_proj,v_proj,o_proj "
                              "(default: peft's choice for the model type, q_proj,v_proj for Llama)")
     parser.add_argument("--lora-alpha", type=_positive_int, default=None, metavar="ALPHA",
-                        help="peft's lora_alpha, carried to the exports; it does not change speed or memory (default: 16)")
+                        help="peft's lora_alpha, carried to the exports; it does not change speed or memory (default: "
+                             "16)")
     parser.add_argument("--lora-dropout", type=_fraction, default=None, metavar="P",
                         help="dropout on the adapters' input, carried to the exports (default: 0)")
 
@@ -176,19 +183,21 @@ def _add_search_flags(run: Any) -> None:
     """How ``autotune run`` searches and measures: seeds, timing, confirmation, sampler, estimate."""
     run.add_argument("--seed", type=int, default=SEARCH.seed,
                      help=f"seed of the sampler and of the synthetic data (default: {SEARCH.seed})")
-    run.add_argument("--warmup-steps", type=_at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory"), default=MEASURE.warmup_steps,
+    warmup = _at_least(MIN_WARMUP_STEPS, ": the first step allocates optimizer state, the last measures memory")
+    run.add_argument("--warmup-steps", type=warmup, default=MEASURE.warmup_steps,
                      help=f"untimed steps before timing, at least {MIN_WARMUP_STEPS}: the first allocates optimizer "
                           f"state, the last measures peak memory (default: {MEASURE.warmup_steps})")
     run.add_argument("--timed-steps", type=_positive_int, default=None,
-                     help=f"most timed steps per trial; tokens/s uses their median step time (default: {MEASURE.timed_steps} "
-                          f"on CPU, where trials of one configuration differ by more than their steps do; "
-                          f"{CUDA_TIMED_STEPS} on a GPU, where --timing-budget bounds them)")
+                     help="most timed steps per trial; tokens/s uses their median step time (default: "
+                          f"{MEASURE.timed_steps} on CPU, where trials of one configuration differ by more than their "
+                          f"steps do; {CUDA_TIMED_STEPS} on a GPU, where --timing-budget bounds them)")
     run.add_argument("--timing-budget", type=_positive_float, default=None, metavar="SECONDS",
                      help="stop timing a trial's steps after this many seconds of them (at least 3 steps), even if "
                           f"--timing-ci is not met (default: none on CPU, {CUDA_TIMING_BUDGET_S:g} on a GPU)")
     run.add_argument("--timing-ci", type=_fraction, default=MEASURE.timing_ci, metavar="FRACTION",
                      help="stop timing a trial, after at least 3 steps, once its median step time is known to within "
-                          f"this fraction at 95%% confidence; 0 always runs every timed step (default: {MEASURE.timing_ci:g})")
+                          "this fraction at 95%% confidence; 0 always runs every timed step (default: "
+                          f"{MEASURE.timing_ci:g})")
     run.add_argument("--confirm", type=_at_least(0), default=SEARCH.confirm, metavar="ROUNDS",
                      help="after the search, re-measure the finalists (the best and those within its noise, at most 4) "
                           "and two references in this many interleaved rounds of fresh trials, to name the winner and "
@@ -214,40 +223,51 @@ def _add_estimate(commands: Any) -> None:
         description="Predict each configuration's peak memory per rank from a fake training step (no GPU, no "
                     "memory used), with the device margin, and say whether it fits; then the largest micro batch "
                     "that fits for each sharding x checkpointing x precision among the configurations estimated.")
-    estimate.add_argument("--mem-budget", required=True, metavar="SIZE", help="per-rank memory budget, e.g. 80GB or 70GiB (required)")
-    estimate.add_argument("--model", default="llama-tiny", help="preset, Hugging Face model id, config.json path or module:function (default: llama-tiny)")
+    estimate.add_argument("--mem-budget", required=True, metavar="SIZE", help="per-rank memory budget, e.g. 80GB or "
+                                                                              "70GiB (required)")
+    estimate.add_argument("--model", default="llama-tiny", help="preset, Hugging Face model id, config.json path or "
+                                                                "module:function (default: llama-tiny)")
     estimate.add_argument("--nproc", type=_positive_int, default=2,
                           help="ranks per node, as in autotune run: the world size is --nproc x --nnodes (default: 2)")
-    estimate.add_argument("--nnodes", type=_positive_int, default=1, help="nodes the ranks are spread over; hybrid sharding needs 2+ (default: 1)")
-    estimate.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sample (default: 256 for llama-tiny, else 2048)")
-    estimate.add_argument("--space", default="default", help="search space YAML file or built-in name (default: default)")
+    estimate.add_argument("--nnodes", type=_positive_int, default=1, help="nodes the ranks are spread over; hybrid "
+                                                                          "sharding needs 2+ (default: 1)")
+    estimate.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sample (default: 256 for "
+                                                                              "llama-tiny, else 2048)")
+    estimate.add_argument("--space", default="default", help="search space YAML file or built-in name (default: "
+                                                             "default)")
     estimate.add_argument("--limit", type=_positive_int, default=None,
-                          help="estimate a random sample of this many configurations (default: all when the space holds 64 or fewer, else 64)")
+                          help="estimate a random sample of this many configurations (default: all when the space "
+                               "holds 64 or fewer, else 64)")
     estimate.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                           help="the margin to add: cuda (context, NCCL, fragmentation) or cpu (none) (default: cuda)")
-    estimate.add_argument("--wrap-class", action="append", default=[], metavar="CLASS", help="the model's repeated block class")
+    estimate.add_argument("--wrap-class", action="append", default=[], metavar="CLASS", help="the model's repeated "
+                                                                                             "block class")
     _add_workload_flags(estimate)
     estimate.add_argument("--seed", type=int, default=0, help="seed of the --limit sample (default: 0)")
     estimate.add_argument("--exact", action="store_true",
                           help="run the fake step over every block; by default a model of 8 or more blocks is "
                                "extrapolated from 3- and 4-block copies (within 2%%, several times faster)")
-    estimate.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: table)")
+    estimate.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: "
+                                                                                             "table)")
 
 
 def _add_trials(commands: Any) -> None:
     trials = commands.add_parser("trials", help="show the trials of a study",
-                                 description="List a study's trials: outcome, tokens/s, peak memory, configuration, and why any trial failed or was pruned.")
+                                 description="List a study's trials: outcome, tokens/s, peak memory, configuration, "
+                                             "and why any trial failed or was pruned.")
     _add_study_args(trials)
-    trials.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: table)")
+    trials.add_argument("-f", "--format", choices=("table", "json"), default="table", help="output format (default: "
+                                                                                           "table)")
 
 
 def _add_export(commands: Any) -> None:
     export = commands.add_parser(
         "export", help="write the best feasible configuration",
-        description="Export the best feasible trial (or --trial N): json (autotune.fsdp-config/v1), accelerate "
-                    "(config YAML for accelerate launch), hf (TrainingArguments fsdp/fsdp_config as JSON), "
-                    "torchtitan (overrides for torchtitan 0.3's command line), torchtitan-0.2 (the TOML job file 0.2.x "
-                    "read), python (a module applying it with torch only) or peft (a LoRA study's LoraConfig as JSON). What a format cannot express is said in the file and on stderr.")
+        description="Export the best feasible trial (or --trial N): json (autotune.fsdp-config/v1), accelerate (config "
+                    "YAML for accelerate launch), hf (TrainingArguments fsdp/fsdp_config as JSON), torchtitan "
+                    "(overrides for torchtitan 0.3's command line), torchtitan-0.2 (the TOML job file 0.2.x read), "
+                    "python (a module applying it with torch only) or peft (a LoRA study's LoraConfig as JSON). What a "
+                    "format cannot express is said in the file and on stderr.")
     _add_study_args(export)
     export.add_argument("-f", "--format", choices=FORMATS, default="json",
                         help="output format (default: json)")
@@ -257,9 +277,10 @@ def _add_export(commands: Any) -> None:
 
 def _add_report(commands: Any) -> None:
     report = commands.add_parser("report", help="write a self-contained HTML report of a study",
-                                 description="One HTML file with plotly.js inline (works offline): tokens/s against peak "
-                                             "memory with the budget and the Pareto front, the optimization history, "
-                                             "tokens/s per choice of each dimension, parameter importances, and the top configurations.")
+                                 description="One HTML file with plotly.js inline (works offline): tokens/s against "
+                                             "peak memory with the budget and the Pareto front, the optimization "
+                                             "history, tokens/s per choice of each dimension, parameter importances, "
+                                             "and the top configurations.")
     _add_study_args(report)
     report.add_argument("-o", "--output", default=None, metavar="FILE",
                         help="HTML file to write (default: studies/<study>/report.html beside the database)")
@@ -270,18 +291,22 @@ def _add_dashboard(commands: Any) -> None:
                                     description="Start optuna-dashboard on the storage (Ctrl-C stops it). Binds to "
                                                 "127.0.0.1 unless --host says otherwise.")
     _add_study_args(dashboard)
-    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine "
+                                                               "only)")
     dashboard.add_argument("--port", type=_port, default=8080, help="port (default: 8080)")
 
 
 def _add_measure(commands: Any) -> None:
     measure = commands.add_parser("measure", help="measure one configuration again, outside any study",
-                                  description="Launch one trial from an exported JSON file (or a trial's config.json) and print its result.")
+                                  description="Launch one trial from an exported JSON file (or a trial's config.json) "
+                                              "and print its result.")
     measure.add_argument("file", help="exported best_config.json, or a trial's config.json")
-    measure.add_argument("--nproc", type=_positive_int, default=None, help="ranks (default: the measured world size, else 2)")
+    measure.add_argument("--nproc", type=_positive_int, default=None, help="ranks (default: the measured world size, "
+                                                                           "else 2)")
     measure.add_argument("--trial-timeout", type=_positive_float, default=EXECUTION.trial_timeout_s, metavar="SECONDS",
                          help=f"kill the job after this long (default: {EXECUTION.trial_timeout_s:g})")
-    measure.add_argument("--output-dir", default=None, help="where the trial's files go (default: a new temporary folder)")
+    measure.add_argument("--output-dir", default=None, help="where the trial's files go (default: a new temporary "
+                                                            "folder)")
 
 
 

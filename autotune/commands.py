@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from autotune.errors import UsageError
@@ -29,7 +30,8 @@ def parse_slot(text: str, device_count: int) -> tuple[int, ...]:
         raise UsageError(f"--devices {text}: the slot holds no device")
     bad = sorted(d for d in devices if not 0 <= d < device_count)
     if bad:
-        raise UsageError(f"--devices {text}: device {bad[0]} does not exist; this host has devices 0-{device_count - 1}")
+        raise UsageError(f"--devices {text}: device {bad[0]} does not exist; "
+                         f"this host has devices 0-{device_count - 1}")
     return tuple(sorted(devices))
 
 
@@ -56,7 +58,8 @@ def parse_slots(texts: list[str], device_count: int) -> tuple[tuple[int, ...], .
 
 def _check_nproc(nproc: int, host: Any, what_asked: str | None = None) -> None:
     if nproc > host.device_count:
-        what = f"{host.cuda_device_count} GPUs" if host.device_type == "cuda" else f"{host.cpu_count} CPU cores and no GPU"
+        what = (f"{host.cuda_device_count} GPUs" if host.device_type == "cuda"
+                else f"{host.cpu_count} CPU cores and no GPU")
         if what_asked:
             raise UsageError(f"{what_asked}: {nproc} ranks on this host, which has {what}; simulate fewer ranks, "
                              "or run on real nodes with --launcher slurm")
@@ -116,39 +119,43 @@ def _check_budget_fits_device(text: str, budget: int, host: Any) -> None:
                          f"give at most {format_bytes(size).replace(' ', '')} (GB is 10^9 bytes, GiB 2^30)")
 
 
-def _with_trial_depth(settings: Any, stored: dict[str, Any], model: Any) -> Any:
-    """The settings with their trial depth: as given, else what a resumed study started
-    with (check_resumable refused a change), else auto; depths the model cannot take
-    are refused before anything is written."""
-    import dataclasses
+@dataclass(frozen=True)
+class RunFlags:
+    """The flags of ``autotune run`` that need nothing imported, each checked once, before the fork server
+    starts: what :func:`run_settings` builds the run from."""
 
-    from autotune.study.runner import plan_for
-
-    depth = settings.study.trial_depth or stored.get("trial_depth") or "auto"
-    settings = dataclasses.replace(settings, study=dataclasses.replace(settings.study, trial_depth=depth))
-    plan_for(settings, model)
-    return settings
+    budget_bytes: int
+    spec: Any  # autotune.presets.ModelSpec
+    lora: Any  # LoraSpec | None
+    space: Any  # autotune.study.space.SearchSpace
 
 
-def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any, Any]:
-    """Check every flag of ``autotune run`` (the host probe included, forked from
-    ``forks`` when it is ready) and return (settings, host, model)."""
-    from autotune.config import timing_defaults
-    from autotune.launch.host import probe
-    from autotune.presets import choose_seq_len, parse_model_spec
-    from autotune.study import RunSettings, check_resumable, default_study_name
-    from autotune.study.trial_depth import parse_trial_depth
-    from autotune.study.settings import ExecutionSettings, MeasureSettings, SearchSettings, StudySettings
+def check_run_flags(args: argparse.Namespace) -> RunFlags:
+    from autotune.presets import parse_model_spec
     from autotune.study.space import load_space
     from autotune.study.storage import check_storage_url
     from autotune.units import parse_memory
 
-    budget = parse_memory(args.mem_budget)
-    spec = parse_model_spec(args.model)
-    space = load_space(args.space)
-    lora = lora_spec(args)
+    flags = RunFlags(parse_memory(args.mem_budget), parse_model_spec(args.model), lora_spec(args),
+                     load_space(args.space))
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
     refuse_repeats("--wrap-class", args.wrap_class)
+    return flags
+
+
+def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -> tuple[Any, Any, Any]:
+    """The run ``args`` ask for, from its checked ``flags`` and the host probe (forked from ``forks`` when it is
+    ready): (settings, host, model). Whether a stored study may be resumed with them is run_study's check."""
+    from autotune.config import timing_defaults
+    from autotune.launch.host import probe
+    from autotune.presets import choose_seq_len
+    from autotune.study import RunSettings, default_study_name
+    from autotune.study.trial_depth import parse_trial_depth
+    from autotune.study.runner import plan_for
+    from autotune.study.settings import ExecutionSettings, MeasureSettings, SearchSettings, StudySettings
+    from autotune.study.settings import checked_for_resume
+
+    budget, spec, space, lora = flags.budget_bytes, flags.spec, flags.space, flags.lora
     host, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class), nproc=args.nproc, forks=forks)
     _check_budget_fits_device(args.mem_budget, budget, host)
     nproc = args.nproc or (host.cuda_device_count if host.device_type == "cuda" else 2)
@@ -156,7 +163,8 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
     launcher = choose_launcher(args.launcher, args.nnodes)
     if launcher == "local":
         # Simulated nodes share this host's devices.
-        _check_nproc(nproc * args.nnodes, host, f"--nproc {nproc} x --nnodes {args.nnodes}" if args.nnodes > 1 else None)
+        _check_nproc(nproc * args.nnodes, host, f"--nproc {nproc} x --nnodes {args.nnodes}" if args.nnodes > 1
+                     else None)
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note and not args.quiet:
         print(f"autotune run: {seq_note}", file=sys.stderr)
@@ -182,7 +190,9 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
         execution=ExecutionSettings(trial_timeout_s=args.trial_timeout, launcher=launcher, device_type=host.device_type,
                                     slots=slots, quiet=args.quiet),
     )
-    settings = _with_trial_depth(settings, check_resumable(settings), model)
+    # Refused before anything is written: a study made for other work, depths the model cannot take.
+    settings = checked_for_resume(settings)
+    plan_for(settings, model)
     if launcher == "slurm":
         from autotune.launch.multinode import check_launcher
         from autotune.study.storage import study_dir
@@ -193,22 +203,14 @@ def run_settings(args: argparse.Namespace, forks: Any = None) -> tuple[Any, Any,
 
 def cmd_run(args: argparse.Namespace) -> int:
     from autotune.launch.forkserver import ForkServer
-    from autotune.presets import parse_model_spec
-    from autotune.study.space import load_space
-    from autotune.study.storage import check_storage_url
-    from autotune.units import parse_memory
 
     # The checks that need nothing imported come before anything starts.
-    parse_memory(args.mem_budget)
-    spec = parse_model_spec(args.model)
-    lora_spec(args)
-    load_space(args.space)
-    check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
+    flags = check_run_flags(args)
     # Then the fork server, so that its imports overlap everything else: the
     # probe, the memory estimates and every trial's processes are forked from it.
-    forks = ForkServer(model=_model_argument(spec, args.model))
+    forks = ForkServer(model=_model_argument(flags.spec, args.model))
     try:
-        return _run(args, forks)
+        return _run(args, flags, forks)
     finally:
         forks.close()
 
@@ -218,19 +220,20 @@ def _model_argument(spec: Any, given: str) -> str:
     return spec.value if spec.kind == "config_file" else given
 
 
-def _run(args: argparse.Namespace, forks: Any) -> int:
+def _run(args: argparse.Namespace, flags: RunFlags, forks: Any) -> int:
     from autotune.outputs.dashboard import update_study_note
     from autotune.outputs.summary import summarize
     from autotune.study import run_study
     from autotune.study.storage import mask_url, prepare_storage
 
-    settings, host, model = run_settings(args, forks)
+    settings, host, model = run_settings(args, flags, forks)
     prepare_storage(settings.study.storage_url)
     if not args.quiet:
-        print(f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block {'/'.join(model.layer_classes)}) "
-              f"on {settings.study.nproc} x {host.device_name or 'CPU'} ({host.device_type}), seq len {settings.study.seq_len}, "
-              f"budget {settings.study.budget_text} per rank{_workload_text(settings.study.lora)}; study {settings.study.name} "
-              f"in {mask_url(settings.study.storage_url)}",
+        print(f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block "
+              f"{'/'.join(model.layer_classes)}) on {settings.study.nproc} x {host.device_name or 'CPU'} "
+              f"({host.device_type}), seq len {settings.study.seq_len}, budget {settings.study.budget_text} per "
+              f"rank{_workload_text(settings.study.lora)}; study {settings.study.name} in "
+              f"{mask_url(settings.study.storage_url)}",
               file=sys.stderr)
     run = run_study(settings, host, model, forks=forks, on_trial_complete=update_study_note)
     if run.interrupted is not None:
@@ -383,7 +386,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     path = sqlite_path(args.storage)
     if path is not None and not path.exists():
         # Serving it would create an empty database where the user expected theirs.
-        raise UsageError(f"--storage {args.storage}: no study database there; run 'autotune run' first, or pass --storage")
+        raise UsageError(f"--storage {args.storage}: no study database there; run 'autotune run' first, or pass "
+                         "--storage")
     check_address(args.host, args.port)
     study = _open_study(args) if args.study_name else None
     if study is not None:
@@ -426,8 +430,10 @@ def cmd_measure(args: argparse.Namespace) -> int:
     with device_slot(host.device_type, [tuple(range(host.device_count))], names=host.device_uuids) as slot:
         outcome = launcher.launch_trial(request, trial_dir, nproc, args.trial_timeout, host.device_type, devices=slot)
     result = outcome.result
-    print(json.dumps({"status": result.status, "tokens_per_s": result.tokens_per_s, "peak_memory_bytes": result.peak_memory_bytes,
-                      "step_time_cv": result.step_time_cv, "wall_s": round(outcome.wall_s, 2), "trial_dir": str(trial_dir),
+    print(json.dumps({"status": result.status, "tokens_per_s": result.tokens_per_s,
+                      "peak_memory_bytes": result.peak_memory_bytes,
+                      "step_time_cv": result.step_time_cv, "wall_s": round(outcome.wall_s, 2),
+                      "trial_dir": str(trial_dir),
                       "error": result.error}, indent=2))
     return 0 if result.status == Status.OK else 1
 

@@ -1,4 +1,5 @@
-"""Confidence intervals, the few the tuner needs: standard library only, for the worker, the study and the benchmarks."""
+"""Confidence intervals, the few the tuner needs: standard library only, for the worker, the study and the
+benchmarks."""
 
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def autotune(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke space, short sequence: keeps the script working in CI")
+    parser.add_argument("--quick", action="store_true", help="smoke space, short sequence: keeps the script working in "
+                                                             "CI")
     parser.add_argument("--repeats", type=int, default=3, help="re-measurements of the best configuration")
     parser.add_argument("--out", default=None, help="also write the report to this Markdown file")
     args = parser.parse_args()
@@ -79,7 +80,8 @@ def main() -> int:
     lines = [
         f"# Default run ({'quick' if args.quick else 'full'}) — {datetime.date.today().isoformat()}",
         "",
-        f"Machine: {machine()}; command: `python benchmarks/default_run.py{' --quick' if args.quick else ''} --repeats {args.repeats}`",
+        f"Machine: {machine()}; command: `python benchmarks/default_run.py{' --quick' if args.quick else ''} --repeats "
+        f"{args.repeats}`",
         "",
         f"- `autotune run --mem-budget 20GB{' ' + ' '.join(extra) if extra else ''}`: **{run_wall:.0f} s** wall, "
         f"{len(launched)} trials launched, **{len(finished)} finished with a measurement**, "
@@ -90,7 +92,8 @@ def main() -> int:
         + f" tokens/s; ratio to the {reference_name} ({reference:,.0f}): " + ", ".join(f"{r:.3f}" for r in ratios)
         + f" (max deviation {max(abs(r - 1) for r in ratios) * 100:.1f}%).",
         f"- `--mem-budget 1MB`: exit {nofit.returncode}; "
-        + next((line for line in nofit.stdout.splitlines() if line.startswith("No configuration fits")), "(no message)"),
+        + next((line for line in nofit.stdout.splitlines() if line.startswith("No configuration fits")),
+               "(no message)"),
         "",
         f"Wall time of the {len(launched)} launched trials, {wall_total:.1f} s in all, by phase:",
         "",

@@ -58,17 +58,22 @@ def grid(quick: bool, tied_model: str) -> list[tuple[str, FsdpConfig]]:
                                         transformer_layer_cls=LAYER))]
     configs = []
     for version, strategy, ac, precision in itertools.product(
-        (1, 2), ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"), ("none", "full", "every_other_layer"), ("fp32", "bf16", "fp16")
+        (1, 2), ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"), ("none", "full", "every_other_layer"), ("fp32", "bf16",
+                                                                                                     "fp16")
     ):
-        configs.append(("llama-tiny", FsdpConfig(fsdp_version=version, sharding_strategy=strategy, activation_checkpointing=ac,
-                                                 mixed_precision=precision, micro_batch_size=2, transformer_layer_cls=LAYER)))
+        configs.append(("llama-tiny", FsdpConfig(fsdp_version=version, sharding_strategy=strategy,
+                                                 activation_checkpointing=ac,
+                                                 mixed_precision=precision, micro_batch_size=2,
+                                                 transformer_layer_cls=LAYER)))
     for version in (1, 2):
-        configs.append(("llama-tiny", FsdpConfig(fsdp_version=version, auto_wrap_policy="size_based", min_num_params=300_000,
+        configs.append(("llama-tiny", FsdpConfig(fsdp_version=version, auto_wrap_policy="size_based",
+                                                 min_num_params=300_000,
                                                  micro_batch_size=4, transformer_layer_cls=LAYER)))
         configs.append(("llama-tiny", FsdpConfig(fsdp_version=version, auto_wrap_policy="none", micro_batch_size=4,
                                                  mixed_precision="bf16_fp32_reduce", transformer_layer_cls=LAYER)))
     for version, strategy, precision in itertools.product((1, 2), ("FULL_SHARD", "NO_SHARD"), ("fp32", "bf16")):
-        configs.append((tied_model, FsdpConfig(fsdp_version=version, sharding_strategy=strategy, mixed_precision=precision,
+        configs.append((tied_model, FsdpConfig(fsdp_version=version, sharding_strategy=strategy,
+                                               mixed_precision=precision,
                                                micro_batch_size=2, transformer_layer_cls=LAYER)))
     return configs
 
@@ -85,14 +90,17 @@ def scale_configs(quick: bool, nnodes: int) -> list[FsdpConfig]:
     layer = ("LlamaDecoderLayer",)
     hybrid_group = 8 if nnodes > 1 else 4
     configs = [
-        FsdpConfig(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="full", transformer_layer_cls=layer),
-        FsdpConfig(fsdp_version=1, mixed_precision="fp16", activation_checkpointing="full", transformer_layer_cls=layer),
+        FsdpConfig(fsdp_version=2, mixed_precision="bf16", activation_checkpointing="full",
+                   transformer_layer_cls=layer),
+        FsdpConfig(fsdp_version=1, mixed_precision="fp16", activation_checkpointing="full",
+                   transformer_layer_cls=layer),
         FsdpConfig(fsdp_version=2, sharding_strategy="HYBRID_SHARD", shard_group_size=hybrid_group,
                    mixed_precision="bf16", activation_checkpointing="every_other_layer", transformer_layer_cls=layer),
     ]
     if not quick:
         configs += [
-            FsdpConfig(fsdp_version=2, mixed_precision="fp32", activation_checkpointing="none", transformer_layer_cls=layer),
+            FsdpConfig(fsdp_version=2, mixed_precision="fp32", activation_checkpointing="none",
+                       transformer_layer_cls=layer),
             FsdpConfig(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP", mixed_precision="bf16",
                        activation_checkpointing="selective", transformer_layer_cls=layer),
             FsdpConfig(fsdp_version=2, mixed_precision="fp16", activation_checkpointing="full", micro_batch_size=2,
@@ -120,8 +128,8 @@ def scale_main(args: argparse.Namespace) -> int:
                 exact_s.append(truth["seconds"])
                 rows.append(f"| {model} | {world_size} ({nnodes}x{world_size // nnodes}) | {cfg.describe()} | "
                             f"{truth['peak_bytes'] / 2**30:.2f} | {guess['peak_bytes'] / 2**30:.2f} | {error:+.3f}% | "
-                            f"{truth['seconds']:.1f} | {guess['seconds']:.1f} | {truth['seconds'] / guess['seconds']:.1f}x | "
-                            f"{guess['method']} |")
+                            f"{truth['seconds']:.1f} | {guess['seconds']:.1f} | "
+                            f"{truth['seconds'] / guess['seconds']:.1f}x | {guess['method']} |")
                 print(rows[-1], flush=True)
         finally:
             fast.close()
@@ -199,8 +207,8 @@ def extrapolation_main(args: argparse.Namespace) -> int:
                 guess, truth = fast.estimate(cfg), whole.estimate(cfg)
                 label = f"{name}{' +LoRA 8' if lora else ''}"
                 if "error" in guess or "error" in truth:
-                    rows.append(f"| {label} | {cfg.describe()} | not estimated: {guess.get('error') or truth.get('error')} "
-                                "| | | |")
+                    rows.append(f"| {label} | {cfg.describe()} | not estimated: "
+                                f"{guess.get('error') or truth.get('error')} | | | |")
                     continue
                 error = guess["peak_bytes"] / truth["peak_bytes"] - 1
                 errors.append(abs(error))
@@ -218,7 +226,8 @@ def extrapolation_main(args: argparse.Namespace) -> int:
                + (f" --families {','.join(args.families)}" if args.families else "")
                + (f" --limit {args.limit}" if args.limit != DEFAULT_LIMIT else ""))
     lines = [
-        f"# The estimate extrapolated from shallow copies against the whole fake step — {datetime.date.today().isoformat()}",
+        "# The estimate extrapolated from shallow copies against the whole fake step — "
+        f"{datetime.date.today().isoformat()}",
         "",
         f"Machine: {machine()}. 2 ranks, seq len {SEQ_LEN}; configurations sampled from the default space (seed 3, "
         f"{3 if args.quick else args.limit} per family and LoRA setting). Command: `{command}`.",
@@ -231,8 +240,9 @@ def extrapolation_main(args: argparse.Namespace) -> int:
         *rows,
         "",
         f"**{len(errors)} configurations compared, {unestimated} not estimated: largest error {100 * worst:.2f}% "
-        f"(target <= {100 * EXTRAPOLATION_TARGET:.0f}%): {'PASS' if worst <= EXTRAPOLATION_TARGET and not unestimated else 'MISS'}. "
-        f"Fake-step seconds: {cost['extrapolated']:.0f} extrapolated against {cost['exact']:.0f} exact.**",
+        f"(target <= {100 * EXTRAPOLATION_TARGET:.0f}%): "
+        f"{'PASS' if worst <= EXTRAPOLATION_TARGET and not unestimated else 'MISS'}. Fake-step seconds: "
+        f"{cost['extrapolated']:.0f} extrapolated against {cost['exact']:.0f} exact.**",
     ]
     publish("\n".join(lines), args.out)
     return 0
@@ -247,7 +257,8 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
                         help="--extrapolation: configurations per family and LoRA setting")
     parser.add_argument("--families", type=lambda text: text.split(","), default=None,
-                        help=f"--extrapolation: comma-separated families to check (default: all of {', '.join(FAMILIES)})")
+                        help="--extrapolation: comma-separated families to check (default: all of "
+                             f"{', '.join(FAMILIES)})")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     unknown = sorted(set(args.families or ()) - set(FAMILIES))
@@ -292,7 +303,8 @@ def main() -> int:
         "",
         f"Machine: {machine()}. Models llama-tiny and a tied variant (vocab 32k), 2 ranks (gloo), seq len {SEQ_LEN}. "
         f"Command: `python benchmarks/estimator_accuracy.py{' --quick' if args.quick else ''}`.",
-        "Measured: peak live tensor storages per rank in a real trial's memory step. Predicted: a fake step at world size 2.",
+        "Measured: peak live tensor storages per rank in a real trial's memory step. Predicted: a fake step at world "
+        "size 2.",
         "",
         "A tie lost under FSDP1 (as before 2026-12-03) showed here as a measured peak 1.3-1.5x the prediction.",
         "",

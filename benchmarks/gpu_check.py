@@ -98,10 +98,12 @@ def step_fork_server(ctx: Context) -> list[str]:
     ctx.forks = ForkServer(model=ctx.model)
     ready = ctx.forks.ready()
     assert ready, f"fork server refused under CUDA: {ctx.forks.error}"
-    lines = [f"fork server ready in {time.perf_counter() - start:.1f}s (a forked child initialized CUDA and ran a kernel)"]
+    lines = [f"fork server ready in {time.perf_counter() - start:.1f}s (a forked child initialized CUDA and ran a "
+             "kernel)"]
     cfg = FsdpConfig(mixed_precision="bf16", activation_checkpointing="full", micro_batch_size=2,
                      transformer_layer_cls=("MistralDecoderLayer",))
-    outcome = launch_trial(TrialRequest(fsdp=cfg, model=ctx.model, seq_len=SEQ_LEN, timed_steps=200, timing_budget_s=8.0),
+    outcome = launch_trial(TrialRequest(fsdp=cfg, model=ctx.model, seq_len=SEQ_LEN, timed_steps=200,
+                                        timing_budget_s=8.0),
                            ctx.work / "startup", 1, TIMEOUT_S, "cuda", devices=(0,), forks=ctx.forks)
     r = outcome.result
     assert r.status == "ok", f"{r.status}: {r.error}"
@@ -110,7 +112,8 @@ def step_fork_server(ctx: Context) -> list[str]:
     lines.append(f"trial start-up {startup:.1f}s (launch and import {phases.get('launch_and_import_s', 0):.1f}, build "
                  f"{phases.get('build_s', 0):.1f}, wrap {phases.get('wrap_s', 0):.1f}; target <= 5 s), first step "
                  f"{phases.get('first_step_s', 0):.1f}s, {r.timed_steps} timed steps in {phases.get('timed_s', 0):.1f}s "
-                 f"(95% CI {r.tokens_per_s_ci_low:,.0f}-{r.tokens_per_s_ci_high:,.0f} around {r.tokens_per_s:,.0f} tok/s)")
+                 f"(95% CI {r.tokens_per_s_ci_low:,.0f}-{r.tokens_per_s_ci_high:,.0f} around {r.tokens_per_s:,.0f} "
+                 "tok/s)")
     assert startup <= 5.0, f"trial start-up {startup:.1f}s is over 5 s"
     return lines
 
@@ -133,7 +136,8 @@ def step_cap(ctx: Context) -> list[str]:
         budgets[name] = budget
         request = TrialRequest(fsdp=cfg, model=ctx.model, seq_len=SEQ_LEN, timed_steps=200, timing_budget_s=3.0,
                                memory_budget_bytes=budget)
-        r = launch_trial(request, ctx.work / f"cap-{len(figures)}", 1, TIMEOUT_S, "cuda", devices=(0,), forks=ctx.forks).result
+        r = launch_trial(request, ctx.work / f"cap-{len(figures)}", 1, TIMEOUT_S, "cuda", devices=(0,),
+                         forks=ctx.forks).result
         memory = r.rank_memory[0] if r.rank_memory else None
         figures[name] = memory
         lines.append(f"{name}: budget {budget / 2**30 if budget else float('nan'):.2f} GiB, cap "
@@ -141,7 +145,8 @@ def step_cap(ctx: Context) -> list[str]:
                      f"{(memory.peak_allocated or 0) / 2**30 if memory else 0:.2f} GiB, reserved "
                      f"{(memory.peak_reserved or 0) / 2**30 if memory else 0:.2f} GiB, outside "
                      f"{(memory.outside_allocator or 0) / 2**30 if memory else 0:.2f} GiB, retries "
-                     f"{memory.alloc_retries if memory else None}" + (f", {r.tokens_per_s:,.0f} tok/s" if r.tokens_per_s else ""))
+                     f"{memory.alloc_retries if memory else None}" + (f", {r.tokens_per_s:,.0f} tok/s"
+                                                                      if r.tokens_per_s else ""))
         expected = {"uncapped": "ok", "just above": "ok", "below": "oom"}[name]
         assert r.status == expected, f"{name}: expected {expected}, got {r.status}: {r.error}"
     above = figures["just above"]
@@ -226,11 +231,12 @@ def step_study(ctx: Context) -> list[str]:
         f"wall-time split: timed steps {phases['timed_s']:.0f}s ({100 * phases['timed_s'] / wall:.0f}%), warm-up "
         f"{phases['warmup_s']:.0f}s ({100 * phases['warmup_s'] / wall:.0f}%), trial start-up and teardown "
         f"{trial_wall - sum(phases.values()):.0f}s ({100 * (trial_wall - sum(phases.values())) / wall:.0f}%), estimates "
-        f"waited for {costs.get('estimate_wait_s', 0):.0f}s ({100 * costs.get('estimate_wait_s', 0) / wall:.0f}%), rest of the "
-        f"driver {driver - costs.get('estimate_wait_s', 0):.0f}s; the tuner's own time outside trials "
+        f"waited for {costs.get('estimate_wait_s', 0):.0f}s ({100 * costs.get('estimate_wait_s', 0) / wall:.0f}%), rest "
+        f"of the driver {driver - costs.get('estimate_wait_s', 0):.0f}s; the tuner's own time outside trials "
         f"{100 * driver / wall:.1f}% (target <= 10%); {costs.get('fake_steps', 0)} fake steps",
         f"launches over the budget: {len(over)} {over} (target 0)",
-        f"confirmed winner: {winner.label if winner else None} {winner.mean if winner else 0:,.0f} tok/s; against the standard recipe "
+        f"confirmed winner: {winner.label if winner else None} {winner.mean if winner else 0:,.0f} tok/s; against the "
+        "standard recipe "
         + (f"{recipe.label}: {ratio['mean']:.2f}x (95% CI {ratio['ci95']}) in the same rounds (target >= 1.0x)"
            if ratio else "not measured"),
         f"winner's MFU: {100 * mfu:.1f}% of the dense bf16 matmul measured above" if mfu else "winner's MFU: n/a",
@@ -239,7 +245,8 @@ def step_study(ctx: Context) -> list[str]:
         *[f"    {line}" for line in done.stdout.strip().splitlines()[-14:]],
     ]
     assert not over, f"{len(over)} launches over the budget"
-    assert ratio is None or ratio["mean"] >= 1.0 or (ratio["ci95"][1] or 0) >= 1.0, "the winner lost to the standard recipe"
+    assert ratio is None or ratio["mean"] >= 1.0 or (ratio["ci95"][1]
+                                                     or 0) >= 1.0, "the winner lost to the standard recipe"
     assert driver / wall <= 0.10, f"the tuner's own time is {100 * driver / wall:.1f}% of the run"
     return lines
 
@@ -265,8 +272,9 @@ def step_shallow(ctx: Context) -> list[str]:
             assert outcome.result.status == "ok", f"{kind} {cfg.describe()}: {outcome.result.error}"
             figures[kind] = (outcome.result.tokens_per_s, outcome.wall_s)
         error = figures["shallow"][0] / figures["full"][0] - 1
-        lines.append(f"{cfg.describe()}: extrapolated {figures['shallow'][0]:,.0f} tok/s ({figures['shallow'][1]:.0f} s) "
-                     f"against full depth {figures['full'][0]:,.0f} tok/s ({figures['full'][1]:.0f} s): {100 * error:+.1f}%")
+        lines.append(f"{cfg.describe()}: extrapolated {figures['shallow'][0]:,.0f} tok/s ({figures['shallow'][1]:.0f} "
+                     f"s) against full depth {figures['full'][0]:,.0f} tok/s ({figures['full'][1]:.0f} s): "
+                     f"{100 * error:+.1f}%")
     return lines
 
 

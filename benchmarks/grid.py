@@ -112,7 +112,8 @@ def summarize(cfg: FsdpConfig, runs: list, predicted: dict, note: str) -> dict:
         return row
     if len(ok) < len(runs):
         failed = next(r for r in runs if r.result.status != "ok")
-        row.update(status=failed.result.status, note=(failed.result.error or "").splitlines()[0][:200] if failed.result.error else "")
+        row.update(status=failed.result.status, note=(failed.result.error or "").splitlines()[0][:200]
+                   if failed.result.error else "")
         peaks = [r.result.peak_memory_bytes for r in runs if r.result.peak_memory_bytes]
         row["peak_memory_bytes"] = max(peaks) if peaks else ""
         return row
@@ -138,12 +139,14 @@ def summarize(cfg: FsdpConfig, runs: list, predicted: dict, note: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke space, seq len 64, one pass: keeps the script working")
+    parser.add_argument("--quick", action="store_true", help="smoke space, seq len 64, one pass: keeps the script "
+                                                             "working")
     parser.add_argument("--space", default="benchmark_cpu", help="search space file or built-in name")
     parser.add_argument("--model", default="llama-tiny")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3, help="passes over the whole space, each in a fresh random order")
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the whole space, each in a fresh random "
+                                                               "order")
     parser.add_argument("--out", default=str(HERE / "data" / "grid_cpu.csv"))
     args = parser.parse_args()
     if args.quick:
@@ -217,10 +220,12 @@ def main() -> int:
         forks.close()
     ok = [r for r in rows if r["status"] == "ok"]
     best = max(ok, key=lambda r: r["tokens_per_s"])
-    spreads = [max(map(float, r["tokens_per_s_runs"].split(";"))) / min(map(float, r["tokens_per_s_runs"].split(";"))) - 1
+    spreads = [max(map(float, r["tokens_per_s_runs"].split(";"))) / min(map(float,
+                                                                            r["tokens_per_s_runs"].split(";"))) - 1
                for r in ok if ";" in r["tokens_per_s_runs"]]
-    print(f"{len(configs)} configurations, {len(ok)} measured, {args.repeats} passes in {time.perf_counter() - started:.0f}s; "
-          f"fastest {best['label']} at {best['tokens_per_s']:,.0f} tok/s; slowest {min(r['tokens_per_s'] for r in ok):,.0f}"
+    print(f"{len(configs)} configurations, {len(ok)} measured, {args.repeats} passes in "
+          f"{time.perf_counter() - started:.0f}s; fastest {best['label']} at {best['tokens_per_s']:,.0f} tok/s; slowest "
+          f"{min(r['tokens_per_s'] for r in ok):,.0f}"
           + (f"; median spread between passes {100 * statistics.median(spreads):.1f}%" if spreads else "")
           + f"; wrote {args.out}")
     return 0 if ok else 1

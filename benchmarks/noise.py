@@ -72,7 +72,8 @@ def baselines(best: FsdpConfig) -> dict[str, FsdpConfig]:
     common = dict(micro_batch_size=best.micro_batch_size, transformer_layer_cls=best.transformer_layer_cls)
     return {
         "SHARD_GRAD_OP + bf16 + layer wrap": FsdpConfig(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP",
-                                                        auto_wrap_policy="transformer_layer", mixed_precision="bf16", **common),
+                                                        auto_wrap_policy="transformer_layer", mixed_precision="bf16",
+                                                        **common),
         "PyTorch FSDP defaults": FsdpConfig(fsdp_version=1, sharding_strategy="FULL_SHARD", auto_wrap_policy="none",
                                             mixed_precision="fp32", **common),
     }
@@ -96,7 +97,8 @@ def measure_interleaved(candidates: dict[str, FsdpConfig], best_request, repeats
                     request = dataclasses.replace(best_request, fsdp=cfg, seed=rep, pin_ranks=pin)
                     outcome = launch_trial(request, work / f"{rep}-{pin}-{name[:4]}", 2, timeout_s=600, forks=forks)
                     if outcome.result.status != "ok":
-                        raise SystemExit(f"{name} ({cfg.describe()}) failed: {outcome.result.status} {outcome.result.error}")
+                        raise SystemExit(f"{name} ({cfg.describe()}) failed: {outcome.result.status} "
+                                         f"{outcome.result.error}")
                     speeds[mode][name].append(outcome.result.tokens_per_s)
                     print(f"[{rep + 1}/{repeats}] {mode}: {name}: {outcome.result.tokens_per_s:,.0f} tok/s",
                           file=sys.stderr, flush=True)
@@ -113,10 +115,14 @@ def window_cv(values: list[float], rounds: int) -> float | None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke study, 2 repeats, short sequence: keeps the script working")
-    parser.add_argument("--config", default=None, help="an exported best_config.json (default: run a default study first)")
-    parser.add_argument("--repeats", type=int, default=6, help="interleaved rounds: fresh trials of each configuration, in each mode")
-    parser.add_argument("--rounds", type=int, default=3, help="confirmation rounds whose mean's CV is judged (autotune run --confirm)")
+    parser.add_argument("--quick", action="store_true", help="smoke study, 2 repeats, short sequence: keeps the script "
+                                                             "working")
+    parser.add_argument("--config", default=None, help="an exported best_config.json (default: run a default study "
+                                                       "first)")
+    parser.add_argument("--repeats", type=int, default=6, help="interleaved rounds: fresh trials of each "
+                                                               "configuration, in each mode")
+    parser.add_argument("--rounds", type=int, default=3, help="confirmation rounds whose mean's CV is judged (autotune "
+                                                              "run --confirm)")
     parser.add_argument("--out", default=None, help="also write the report to this Markdown file")
     args = parser.parse_args()
     if args.quick:
@@ -148,8 +154,8 @@ def main() -> int:
     lines = [
         f"# Noise, speed-up and MFU ({'quick' if args.quick else 'full'}) — {datetime.date.today().isoformat()}",
         "",
-        f"Machine: {machine()}; command: `python benchmarks/noise.py{' --quick' if args.quick else ''} --repeats {args.repeats}"
-        f" --rounds {args.rounds}`.",
+        f"Machine: {machine()}; command: `python benchmarks/noise.py{' --quick' if args.quick else ''} --repeats "
+        f"{args.repeats} --rounds {args.rounds}`.",
         f"Best configuration from {source}. Model {best_request.model}, seq len {best_request.seq_len}, 2 ranks; "
         f"{args.repeats} interleaved rounds, each holding one fresh trial of every configuration in both modes.",
         "",
@@ -165,12 +171,14 @@ def main() -> int:
             measured = window_cv(values, args.rounds)
             if mode == list(MODES)[1]:
                 worst = max(worst, predicted)
-            lines.append(f"| {mode} | {name}: `{candidates[name].describe()}` | {', '.join(f'{x:,.0f}' for x in values)} | "
-                         f"{statistics.fmean(values):,.0f} | {100 * single:.1f}% | {100 * predicted:.1f}% | "
+            lines.append(f"| {mode} | {name}: `{candidates[name].describe()}` | "
+                         f"{', '.join(f'{x:,.0f}' for x in values)} | {statistics.fmean(values):,.0f} | "
+                         f"{100 * single:.1f}% | {100 * predicted:.1f}% | "
                          + (f"{100 * measured:.1f}%" if measured is not None else "too few rounds") + " |")
     lines += ["", "What the confirmation round decides on is the ratio of two configurations measured in the same "
               "round, where a drift of the machine cancels:", "",
-              f"| mode | configuration | per-round ratio to the best | CV of the ratio | of a {args.rounds}-round mean ratio |",
+              f"| mode | configuration | per-round ratio to the best | CV of the ratio | of a {args.rounds}-round mean "
+              "ratio |",
               "|---|---|---|---:|---:|"]
     for mode, by_name in speeds.items():
         for name, values in by_name.items():
@@ -181,12 +189,13 @@ def main() -> int:
                          f"{100 * cv(ratios) / args.rounds ** 0.5:.1f}% |")
     lines += ["", "| configuration (pinned) | speed-up of the best, ratio of means | MFU |", "|---|---:|---:|"]
     for name in candidates:
-        lines.append(f"| {name} | {means['best found'] / means[name]:.2f}x | {100 * means[name] * flops_per_token / peak:.1f}% |")
+        lines.append(f"| {name} | {means['best found'] / means[name]:.2f}x | "
+                     f"{100 * means[name] * flops_per_token / peak:.1f}% |")
     verdict = "PASS" if worst <= TARGET_CV else "MISS"
     lines += [
         "",
-        f"**{verdict}**: the CV of a {args.rounds}-round confirmation mean, pinned, is at most {100 * worst:.1f}% over the three "
-        f"configurations (target <= {TARGET_CV:.0%}).",
+        f"**{verdict}**: the CV of a {args.rounds}-round confirmation mean, pinned, is at most {100 * worst:.1f}% over "
+        f"the three configurations (target <= {TARGET_CV:.0%}).",
         f"MFU: {flops_per_token / 1e6:.2f} MFLOP per token; device peak {peak / 1e9:.1f} GFLOP/s "
         f"(dense matmul on every core: fp32 {peaks['fp32'] / 1e9:.1f}, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s).",
     ]

@@ -75,7 +75,8 @@ def run_study(work: Path, budget: str, extra: list[str], code: Path | None = Non
 
 def launched_trials(study: optuna.Study) -> list[FrozenTrial]:
     """Trials that ran a torchrun job (not pruned before launch, not reused)."""
-    return [t for t in study.get_trials(deepcopy=False) if Attr.WALL_S in t.user_attrs and Attr.REUSED_FROM not in t.user_attrs]
+    return [t for t in study.get_trials(deepcopy=False) if Attr.WALL_S in t.user_attrs
+            and Attr.REUSED_FROM not in t.user_attrs]
 
 
 def phase_totals(trials: list[FrozenTrial]) -> dict[str, float]:
@@ -107,8 +108,10 @@ def checkout(rev: str) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke space, short sequence, no 'before': keeps the script working")
-    parser.add_argument("--budget", default="120MB", help="the per-rank budget: one where the gate is active (default: 120MB)")
+    parser.add_argument("--quick", action="store_true", help="smoke space, short sequence, no 'before': keeps the "
+                                                             "script working")
+    parser.add_argument("--budget", default="120MB", help="the per-rank budget: one where the gate is active (default: "
+                                                          "120MB)")
     parser.add_argument("--before", default=BEFORE, help=f"the revision to compare with (default: {BEFORE})")
     parser.add_argument("--out", default=None, help="also write the report to this Markdown file")
     args = parser.parse_args()
@@ -158,8 +161,12 @@ def report(runs: dict, args: argparse.Namespace, extra: list[str]) -> str:
             cells.append("not recorded" if value is None else f"{value:.1f} s ({100 * value / wall:.1f}%)")
         lines.append(f"| {part} | " + " | ".join(cells) + " |")
     lines.append("| **study wall time** | " + " | ".join(
-        f"**{runs[label][0]:.1f} s**" + (" (stopped, unfinished)" if runs[label][3] == 143 else "") for label in labels) + " |")
-    lines.append("| launched trials | " + " | ".join(str(len(launched_trials(runs[label][1]))) for label in labels) + " |")
+        f"**{runs[label][0]:.1f} s**" + (" (stopped, unfinished)" if runs[label][3] == 143 else "")
+                                                         for label in labels) + " "
+                                                                                                                           "|")
+    lines.append("| launched trials | " + " | ".join(str(len(launched_trials(runs[label][1])))
+                                                     for label in labels) + " "
+                                                                                                                      "|")
     costs = runs[labels[-1]][1].user_attrs.get(StudyAttr.ESTIMATE_COSTS) or {}
     after = runs["after"]
     share = after[2]["driver, outside trials"] / after[0]
@@ -167,11 +174,12 @@ def report(runs: dict, args: argparse.Namespace, extra: list[str]) -> str:
     lines += [
         "",
         f"After: {costs.get('fake_steps', 0)} fake steps ({costs.get('fake_step_s', 0):.0f} s of work, "
-        f"{costs.get('estimate_wait_s', 0):.0f} s of it waited for), {costs.get('judged_free', 0)} configurations judged "
-        "by the memory order without one.",
+        f"{costs.get('estimate_wait_s', 0):.0f} s of it waited for), {costs.get('judged_free', 0)} configurations "
+        "judged by the memory order without one.",
         f"Target: the driver's own time outside trials at most {TARGET_DRIVER:.0%} of the run's wall time; "
         f"after: {100 * share:.1f}% — **{verdict}**"
-        + (f"; before: {100 * runs['before'][2]['driver, outside trials'] / runs['before'][0]:.1f}%." if "before" in runs else "."),
+        + (f"; before: {100 * runs['before'][2]['driver, outside trials'] / runs['before'][0]:.1f}%."
+           if "before" in runs else "."),
     ]
     return "\n".join(lines)
 

@@ -100,9 +100,11 @@ class Table:
             if not row["note"].startswith("baseline"):
                 self.configs.append(cfg)  # the space; a baseline row outside it is only for the tuner's first trial
             runs = tuple(float(x) for x in row["tokens_per_s_runs"].split(";")) if row.get("tokens_per_s_runs") else ()
-            self.rows[cfg.key()] = Measured(mean=number("tokens_per_s"), runs=runs, peak=number("peak_memory_bytes", int),
+            self.rows[cfg.key()] = Measured(mean=number("tokens_per_s"), runs=runs, peak=number("peak_memory_bytes",
+                                                                                                int),
                                             status=row["status"], wall_s=number("wall_s") or 0.0,
-                                            timed_s=number("timed_s") or 0.0, timed_steps=number("timed_steps", int) or 1)
+                                            timed_s=number("timed_s") or 0.0, timed_steps=number("timed_steps", int)
+                                            or 1)
             if row["predicted_peak_bytes"]:
                 self.predicted[memory_key(cfg)] = (int(row["predicted_peak_bytes"]), float(row["estimate_s"] or 0.0))
         self.runnable = [c for c in self.configs if host_incompatibility(c, self.host) is None]
@@ -189,7 +191,8 @@ class Replay:
     seconds: float = 0.0
 
 
-def replay_tuner(budget: Budget, seed: int, launches: int, work: Path, search: str, frontier: bool, confirm: int) -> Replay:
+def replay_tuner(budget: Budget, seed: int, launches: int, work: Path, search: str, frontier: bool,
+                 confirm: int) -> Replay:
     """The real tuner (``run_study``) on the table."""
     table = budget.table
     settings = RunSettings(
@@ -201,7 +204,8 @@ def replay_tuner(budget: Budget, seed: int, launches: int, work: Path, search: s
         execution=ExecutionSettings(trial_timeout_s=600, device_type=table.host.device_type, quiet=True),
     )
     start = time.perf_counter()
-    run = run_study(settings, table.host, table.model, launch=TableLaunch(budget, seed), estimator=TableEstimator(table),
+    run = run_study(settings, table.host, table.model, launch=TableLaunch(budget, seed),
+                    estimator=TableEstimator(table),
                     storage=optuna.storages.InMemoryStorage())
     replay = Replay(seconds=time.perf_counter() - start)
     for t in sorted(run.study.trials, key=lambda t: t.number):
@@ -366,8 +370,9 @@ def summarize_budget(budget: Budget, replays: dict[str, list[Replay]], launches:
 def budget_lines(budget: Budget, stats: dict[str, dict], launches: int, accuracy: tuple | None) -> list[str]:
     in_band = sum((budget.value(c) or 0) >= budget.best * (1 - BAND) for c in budget.table.configs)
     random_median = stats.get("random", {}).get("median", math.inf)
-    lines = [f"### Budget {budget.name} = {format_bytes(budget.bytes)}: {budget.n_feasible} of {len(budget.table.configs)} "
-             f"configurations fit; true best {budget.best:,.0f} tokens/s, {in_band} within {BAND:.0%} of it", "",
+    lines = [f"### Budget {budget.name} = {format_bytes(budget.bytes)}: {budget.n_feasible} of "
+             f"{len(budget.table.configs)} configurations fit; true best {budget.best:,.0f} tokens/s, {in_band} within "
+             f"{BAND:.0%} of it", "",
              f"| strategy | launches to the {BAND:.0%} band, median | p90 | reached within {launches} | random / this | "
              "regret after 10 | regret after 20 | replay s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in stats.items():
@@ -385,14 +390,17 @@ def budget_lines(budget: Budget, stats: dict[str, dict], launches: int, accuracy
 def verdicts(budget: Budget, stats: dict[str, dict], accuracy: tuple | None) -> list[tuple[str, bool, str]]:
     """(target, met, measured) for autotune at this budget."""
     a = stats["autotune"]
-    out = [(f"{budget.name}: median launches to the band <= {TARGETS['median']}", a["median"] <= TARGETS["median"], show(a["median"])),
+    out = [(f"{budget.name}: median launches to the band <= {TARGETS['median']}", a["median"] <= TARGETS["median"],
+            show(a["median"])),
            (f"{budget.name}: p90 <= {TARGETS['p90']}", a["p90"] <= TARGETS["p90"], show(a["p90"]))]
     if "random" in stats:
         ratio = stats["random"]["median"] / a["median"] if a["median"] and not math.isinf(a["median"]) else 0.0
-        out.append((f"{budget.name}: >= {TARGETS['vs_random']:g}x fewer than random", ratio >= TARGETS["vs_random"], f"{ratio:.1f}x"))
+        out.append((f"{budget.name}: >= {TARGETS['vs_random']:g}x fewer than random", ratio >= TARGETS["vs_random"],
+                    f"{ratio:.1f}x"))
     if "optuna-tpe" in stats:
         tpe = stats["optuna-tpe"]["median"]
-        out.append((f"{budget.name}: never worse than plain TPE", a["median"] <= tpe, f"{show(a['median'])} vs {show(tpe)}"))
+        out.append((f"{budget.name}: never worse than plain TPE", a["median"] <= tpe, f"{show(a['median'])} vs "
+                                                                                      f"{show(tpe)}"))
     if accuracy is not None:
         hits, seeds, _, _ = accuracy
         out.append((f"{budget.name}: confirmed winner within {BAND:.0%} in >= {TARGETS['confirmed']:.0%} of seeds",
@@ -420,20 +428,23 @@ def figure(curves: dict[str, list[list[float]]], budget: Budget, html: Path) -> 
             page = Path(tmp) / "figure.html"
             fig.write_html(page, include_plotlyjs=True)
             subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1120,620",
-                            "--virtual-time-budget=5000", "--hide-scrollbars", f"--screenshot={html.with_suffix('.png')}",
+                            "--virtual-time-budget=5000", "--hide-scrollbars",
+                            f"--screenshot={html.with_suffix('.png')}",
                             page.as_uri()], capture_output=True, timeout=120)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 seeds, 12 launches, 2 budgets: checks the report's form")
+    parser.add_argument("--quick", action="store_true", help="2 seeds, 12 launches, 2 budgets: checks the report's "
+                                                             "form")
     parser.add_argument("--table", default=str(HERE / "data" / "grid_cpu.csv"))
     parser.add_argument("--seeds", type=int, default=50)
     parser.add_argument("--budget", default=None, help="an extra per-rank budget to replay at, e.g. 60MiB")
     parser.add_argument("--launches", type=int, default=40, help="launched trials per replay")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     parser.add_argument("--out", default=None, help="also write the Markdown report here")
-    parser.add_argument("--figure", default=None, help="write the plotly figure of the median budget here (.html; a .png beside it)")
+    parser.add_argument("--figure", default=None, help="write the plotly figure of the median budget here (.html; a "
+                                                       ".png beside it)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="replays run side by side, one process each (default: one per core)")
     args = parser.parse_args()
@@ -466,10 +477,10 @@ def main() -> int:
                     figure(curves, budget, Path(args.figure))
     header = [
         f"# Search efficiency ({'quick' if args.quick else 'full'}) — {datetime.date.today().isoformat()}", "",
-        f"Table: `{Path(args.table).name}` ({table.header.get('date')}, {table.header.get('machine')}; {len(table.configs)} "
-        f"configurations, {table.header.get('passes')} passes; the truth is each configuration's mean, a replayed launch "
-        f"returns one of its passes at random). {args.seeds} seeds, {args.launches} launches a replay; "
-        f"{time.perf_counter() - started:.0f} s in all.",
+        f"Table: `{Path(args.table).name}` ({table.header.get('date')}, {table.header.get('machine')}; "
+        f"{len(table.configs)} configurations, {table.header.get('passes')} passes; the truth is each configuration's "
+        f"mean, a replayed launch returns one of its passes at random). {args.seeds} seeds, {args.launches} launches a "
+        f"replay; {time.perf_counter() - started:.0f} s in all.",
         f"Command: `python benchmarks/search_efficiency.py{' --quick' if args.quick else ''} --seeds {args.seeds} "
         f"--launches {args.launches}" + (f" --budget {args.budget}" if args.budget else "")
         + (f" --strategies \"{args.strategies}\"" if args.strategies != ",".join(STRATEGIES) else "") + "`", "",

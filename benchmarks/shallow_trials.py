@@ -163,7 +163,8 @@ def main() -> int:
     rho = spearman(shallow_means, full_means) if len(figures) > 2 else float("nan")
     top_by_line = max(range(len(figures)), key=lambda i: shallow_means[i])
     top = max(range(len(figures)), key=lambda i: full_means[i])
-    top_noise = max(statistics.stdev(figures[top]["full"]) / full_means[top] if len(figures[top]["full"]) > 1 else 0, 0.03)
+    top_noise = max(statistics.stdev(figures[top]["full"]) / full_means[top] if len(figures[top]["full"]) > 1 else 0,
+                    0.03)
     top_ok = full_means[top_by_line] >= full_means[top] * (1 - 2 * top_noise)
     median, worst = statistics.median(errors), max(errors)
     launch_ratio = (statistics.median(f for g in figures for f in g["shallow_s"])
@@ -173,9 +174,10 @@ def main() -> int:
              f"{datetime.date.today().isoformat()}", "",
              f"Machine: {machine()}. A {full}-block Llama-shaped config (hidden 256, vocab 4096), 2 ranks, seq len "
              f"{SEQ_LEN}; shallow trials time copies of {' and '.join(map(str, depths))} blocks in one torchrun job and "
-             f"extend their line. Command: `python benchmarks/shallow_trials.py{' --quick' if args.quick else ''}"
-             f"{' --no-study' if args.no_study else ''}{f' --repeats {args.repeats}' if args.repeats != 3 else ''}`.", "",
-             f"## Accuracy and order: {len(figures)} configurations, {len(figures[0]['full'])} interleaved round(s) each", "",
+             "extend their line. Command: `python "
+             f"benchmarks/shallow_trials.py{' --quick' if args.quick else ''}{' --no-study' if args.no_study else ''}{f' --repeats {args.repeats}' if args.repeats != 3 else ''}`.", "",
+             f"## Accuracy and order: {len(figures)} configurations, {len(figures[0]['full'])} interleaved round(s) "
+             "each", "",
              "| configuration | extrapolated tok/s | full depth tok/s (CV) | error | shallow wall s | full wall s |",
              "|---|---:|---:|---:|---:|---:|", *rows, "",
              f"- error of the extrapolated mean against the full-depth mean, over the {len(errors)} configurations the "
@@ -206,7 +208,8 @@ def main() -> int:
                       f"{verdict(per_launch <= 1 / 3)})",
                   f"- the whole study, auto over full: {whole:.2f} (target <= 1/2: {verdict(whole <= 0.5)})",
                   f"- auto's confirmed winner is full depth's or a tie named: {verdict(same)}", "",
-                  "Summaries:", "", "```", *[f"[{d}] {line}" for d, s in studies.items() for line in s["summary"]], "```"]
+                  "Summaries:", "", "```", *[f"[{d}] {line}" for d, s in studies.items() for line in s["summary"]],
+                  "```"]
     publish("\n".join(lines), args.out)
     return 0
 

@@ -28,13 +28,15 @@ CASES = [
     (["run", "--mem-budget", "20GB", "--trials", "-1"], ["--trials", "-1"]),
     (["run", "--mem-budget", "20GB", "--trial-timeout", "0"], ["--trial-timeout", "greater than 0"]),
     (["run", "--mem-budget", "20GB", "--seq-len", "zero"], ["--seq-len", "'zero'"]),
-    (["run", "--mem-budget", "20GB", "--warmup-steps", "1"], ["--warmup-steps", "1 must be at least 2", "measures memory"]),
+    (["run", "--mem-budget", "20GB", "--warmup-steps", "1"], ["--warmup-steps", "1 must be at least 2", "measures "
+                                                                                                        "memory"]),
     (["run", "--mem-budget", "20GB", "--timing-ci", "2%"], ["--timing-ci", "'2%'", "not a number"]),
     (["run", "--mem-budget", "20GB", "--timing-ci", "1.5"], ["--timing-ci", "1.5", "below 1"]),
     (["run", "--mem-budget", "20GB", "--model", "llama-13"], ["llama-13", "unknown preset"]),
     (["run", "--mem-budget", "20GB", "--model", "nowhere/config.json"], ["nowhere/config.json", "no such config file"]),
     (["run", "--mem-budget", "20GB", "--model", "{notjson}"], ["not a JSON file"]),
-    (["run", "--mem-budget", "20GB", "--model", "tests.no_such_module:build"], ["tests.no_such_module", "No module named"]),
+    (["run", "--mem-budget", "20GB", "--model", "tests.no_such_module:build"], ["tests.no_such_module", "No module "
+                                                                                                        "named"]),
     (["run", "--mem-budget", "20GB", "--model", "tests.models:no_such_function"], ["no_such_function"]),
     (["run", "--mem-budget", "20GB", "--wrap-class", "TransformerBlock"], ["'TransformerBlock'", "LlamaDecoderLayer"]),
     (["run", "--mem-budget", "20GB", "--storage", "sqlte:///typo.db"], ["sqlte:///typo.db", "SQLAlchemy URL"]),
@@ -42,7 +44,8 @@ CASES = [
     (["run", "--mem-budget", "20GB", "--space", "nonexistent"], ["nonexistent", "default, smoke"]),
     *[(["run", "--mem-budget", "20GB", "--space", "{dir}/" + name], [name]) for name in BAD_YAML],
     (["run", "--mem-budget", "20GB", "--study-name", "minimizing"], ["minimizing", "direction minimize"]),
-    (["run", "--mem-budget", "30GB", "--space", "smoke", "--study-name", "made-with-20GB"], ["budget_bytes", "another --study-name"]),
+    (["run", "--mem-budget", "30GB", "--space", "smoke", "--study-name", "made-with-20GB"], ["budget_bytes", "another "
+                                                                                                             "--study-name"]),
     # 2 ranks take an even number of samples a step, whatever the micro batch.
     (["run", "--mem-budget", "20GB", "--space", "smoke", "--global-batch-size", "5"],
      ["--global-batch-size 5", "multiple of 2"]),
@@ -97,7 +100,8 @@ def _needs_the_probe(args: list[str]) -> bool:
 
 
 @pytest.mark.parametrize("args, words", [
-    pytest.param(a, w, marks=[pytest.mark.torchrun] if _needs_the_probe(a) else [], id=" ".join(a)[:60]) for a, w in CASES
+    pytest.param(a, w, marks=[pytest.mark.torchrun] if _needs_the_probe(a) else [], id=" ".join(a)[:60]) for a,
+                                         w in CASES
 ])
 def test_bad_input_is_one_line_and_exit_2(workspace, args, words, monkeypatch, capsys, request):
     from autotune.launch.forkserver import ENV_VAR
@@ -139,7 +143,8 @@ def test_trials_piped_into_head_ends_without_a_traceback(tmp_path):
     # commit each, took 16 s of the suite).
     study.add_trials([optuna.trial.create_trial(value=float(i), user_attrs={"label": f"configuration {i} " + "x" * 200})
                       for i in range(400)])
-    done = subprocess.run(f"{sys.executable} -m autotune trials --storage {storage} | head -1", shell=True, cwd=tmp_path,
+    done = subprocess.run(f"{sys.executable} -m autotune trials --storage {storage} | head -1", shell=True,
+                          cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.startswith("Study many")
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr

@@ -94,7 +94,8 @@ def test_replace_rederives_reshard():
 
 
 def test_trial_request_round_trip_and_checks():
-    req = TrialRequest(fsdp=FsdpConfig(micro_batch_size=2), model="llama-tiny", seq_len=64, abort_below_tokens_per_s=10.0)
+    req = TrialRequest(fsdp=FsdpConfig(micro_batch_size=2), model="llama-tiny", seq_len=64,
+                       abort_below_tokens_per_s=10.0)
     assert TrialRequest.from_dict(json.loads(json.dumps(req.to_dict()))) == req
     with pytest.raises(ConfigError, match="warmup_steps"):
         TrialRequest(fsdp=FsdpConfig(), warmup_steps=0)

@@ -56,7 +56,8 @@ def test_accelerate_launch_trains_with_the_export(name, tmp_path):
     text, notes = render(export_doc(cfg), "accelerate")
     config = tmp_path / "accelerate.yaml"
     config.write_text(text)
-    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(SCRIPT),
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                           str(SCRIPT),
                            "accelerate", str(cfg.micro_batch_size)], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path, env=_env())
     applied = _applied(done)
@@ -76,7 +77,8 @@ def test_a_trainer_with_the_training_arguments_trains_with_the_export(name, tmp_
     text, notes = render(export_doc(cfg), "hf")
     arguments = tmp_path / "training_args.json"
     arguments.write_text(text)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(SCRIPT),
                            "hf", str(arguments), str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path, env=_env())
     applied = _applied(done)

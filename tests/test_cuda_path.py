@@ -237,7 +237,8 @@ def test_device_locks_are_named_by_uuid_however_the_gpu_is_spelled(monkeypatch, 
     assert first[1] == second[0] == gpus[1].uuid
     entered = []
     with device_slot("cuda", [(1,)], names=first):
-        waiter = threading.Thread(target=lambda: _enter(device_slot("cuda", [(0,)], names=second), entered), daemon=True)
+        waiter = threading.Thread(target=lambda: _enter(device_slot("cuda", [(0,)], names=second), entered),
+                                  daemon=True)
         waiter.start()
         time.sleep(1.5)
         assert not entered, "a second tuner took the GPU the first one holds"

@@ -72,7 +72,8 @@ def test_at_one_rank_nothing_is_sharded():
 def test_the_default_space_at_two_ranks_holds_no_hybrid_class():
     space = parse_space({"sharding_strategy": ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
                                                "HYBRID_SHARD_ZERO2"], "shard_group_size": ["node", 1, 2],
-                         "auto_wrap_policy": ["transformer_layer", "none"], "forward_prefetch": [False, True]}, "t.yaml")
+                         "auto_wrap_policy": ["transformer_layer", "none"], "forward_prefetch": [False, True]},
+                        "t.yaml")
     classes = space.enumerate(LAYER, TWO_RANKS)
     assert not [c for c in classes if c.is_hybrid]
     assert len(classes) == len({c.key() for c in classes}) == 3 * 3  # 3 strategies x (layer wrap x 2 prefetch, none)
@@ -84,7 +85,8 @@ def test_a_study_on_two_ranks_launches_no_hybrid_and_no_class_twice(tmp_path, sa
     space = ("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
              "HYBRID_SHARD_ZERO2]\nshard_group_size: [node, 1, 2]\nmixed_precision: bf16\nmicro_batch_size: 1\n")
     launch = ScriptedLaunch(lambda c, r: ok())
-    run = run_study(settings(tmp_path, space, trials=40, search=sampler, use_estimate=False), HOST, MODEL, launch=launch,
+    run = run_study(settings(tmp_path, space, trials=40, search=sampler, use_estimate=False), HOST, MODEL,
+                    launch=launch,
                     storage=optuna.storages.InMemoryStorage())
     assert launch.launched and not [c for c in launch.launched if c.is_hybrid]
     keys = [c.key() for c in launch.launched]

@@ -42,7 +42,8 @@ def tiny(forks):
 
 @pytest.mark.parametrize("version", (1, 2))
 def test_more_sharding_needs_less_memory(tiny, version):
-    full, zero2, none = (tiny(fsdp_version=version, sharding_strategy=s) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"))
+    full, zero2, none = (tiny(fsdp_version=version, sharding_strategy=s) for s in ("FULL_SHARD", "SHARD_GRAD_OP",
+                                                                                   "NO_SHARD"))
     assert full <= zero2 <= none
 
 
@@ -97,7 +98,8 @@ def deep_clients(tmp_path_factory, forks):
     """Estimators of a 12-block llama-tiny at 4 ranks: extrapolated, and exact."""
     deep = tmp_path_factory.mktemp("deep") / "llama-tiny-12.json"
     deep.write_text(json.dumps({**PRESETS["llama-tiny"], "num_hidden_layers": 12}))
-    clients = EstimatorClient(str(deep), 4, 1, 128, forks=forks), EstimatorClient(str(deep), 4, 1, 128, exact=True, forks=forks)
+    clients = EstimatorClient(str(deep), 4, 1, 128, forks=forks), EstimatorClient(str(deep), 4, 1, 128, exact=True,
+                                                                                  forks=forks)
     yield clients
     for client in clients:
         client.close()
@@ -127,7 +129,8 @@ def test_tight_budget_prunes_before_launching(tmp_path, forks):
     assert "No configuration fits in 1MB" in done.stdout and "smallest predicted peak was" in done.stdout
     trials_dir = tmp_path / "studies" / "llama-tiny-w2-s64-1MB" / "trials"
     assert not trials_dir.exists() or not any(trials_dir.iterdir()), "a configuration predicted over budget was launched"
-    study = optuna.load_study(study_name="llama-tiny-w2-s64-1MB", storage=f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}")
+    study = optuna.load_study(study_name="llama-tiny-w2-s64-1MB",
+                              storage=f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}")
     assert study.trials and all(t.state == TrialState.PRUNED for t in study.trials)
     assert all(t.constraints.get("peak_memory_over_budget", 0) > 0 for t in study.trials)
     assert "largest micro batch that may fit is none" in done.stderr

@@ -19,7 +19,8 @@ def rows():
     def estimate(cfg):
         if cfg.fsdp_version == 2:
             return {"error": OLD_TORCH}
-        return {"peak_bytes": cfg.micro_batch_size * 2**30, "breakdown": {}, "method": "fake_tensor_step", "seconds": 1.0}
+        return {"peak_bytes": cfg.micro_batch_size * 2**30, "breakdown": {}, "method": "fake_tensor_step",
+                "seconds": 1.0}
 
     return estimate_rows(estimate, configs, default_margin("cpu"), budget_bytes=3 * 2**30)
 

@@ -22,7 +22,8 @@ FAMILIES = sorted(p.stem for p in (REPO / "tests" / "families").glob("*.json"))
 CELLS = [(v, w, ac, mp) for v in (1, 2) for w in ("transformer_layer", "size_based", "none")
          for ac in ("none", "full", "every_other_layer", "selective") for mp in ("fp32", "bf16")]
 CPU = HostInfo(device_type="cpu", cuda_device_count=0, cpu_count=2, device_name=None, device_memory_bytes=None,
-               bf16_supported=True, fp16_supported=True, bf16_speedup=1.0, torch_version="2.x", transformers_version="5.x")
+               bf16_supported=True, fp16_supported=True, bf16_speedup=1.0, torch_version="2.x",
+               transformers_version="5.x")
 
 
 def test_the_matrix_covers_seven_families_with_ties_experts_and_other_attention_codes():

@@ -19,12 +19,15 @@ LAYER = ("LlamaDecoderLayer",)
 CONFIGS = {
     "fsdp1-full-layer-bf16-ac": FsdpConfig(fsdp_version=1, sharding_strategy="FULL_SHARD", transformer_layer_cls=LAYER,
                                            mixed_precision="bf16", activation_checkpointing="full",
-                                           backward_prefetch="BACKWARD_POST", forward_prefetch=True, micro_batch_size=2),
-    "fsdp1-hybrid-size-fp16": FsdpConfig(fsdp_version=1, sharding_strategy="HYBRID_SHARD", auto_wrap_policy="size_based",
+                                           backward_prefetch="BACKWARD_POST", forward_prefetch=True,
+                                           micro_batch_size=2),
+    "fsdp1-hybrid-size-fp16": FsdpConfig(fsdp_version=1, sharding_strategy="HYBRID_SHARD",
+                                         auto_wrap_policy="size_based",
                                          min_num_params=5000, transformer_layer_cls=LAYER, mixed_precision="fp16",
                                          limit_all_gathers=False, cpu_offload=True),
     "fsdp2-sgo-every-other": FsdpConfig(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP", transformer_layer_cls=LAYER,
-                                        mixed_precision="bf16_fp32_reduce", activation_checkpointing="every_other_layer",
+                                        mixed_precision="bf16_fp32_reduce",
+                                        activation_checkpointing="every_other_layer",
                                         forward_prefetch=True, micro_batch_size=4),
     "fsdp2-noshard-fp32": FsdpConfig(fsdp_version=2, sharding_strategy="NO_SHARD", transformer_layer_cls=LAYER),
     "fsdp2-hybrid-groups-of-1": FsdpConfig(fsdp_version=2, sharding_strategy="HYBRID_SHARD", shard_group_size=1,
@@ -114,7 +117,8 @@ def test_training_arguments_accept_the_hf_output(case, tmp_path):
 
 # The torchtitan v0.2.2 job-file keys this exporter may write, and their types.
 TORCHTITAN_SCHEMA = {
-    "parallelism": {"data_parallel_shard_degree": int, "data_parallel_replicate_degree": int, "fsdp_reshard_after_forward": str},
+    "parallelism": {"data_parallel_shard_degree": int, "data_parallel_replicate_degree": int,
+                    "fsdp_reshard_after_forward": str},
     "training": {"mixed_precision_param": str, "mixed_precision_reduce": str, "enable_cpu_offload": bool,
                  "local_batch_size": int, "global_batch_size": int, "seq_len": int},
     "activation_checkpoint": {"mode": str, "selective_ac_option": str},
@@ -258,7 +262,8 @@ def trained_with_exports(tmp_path_factory) -> tuple[dict[str, list[str]], dict[s
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = _torchrun(TRAIN_WITH_EXPORT, root, *(str(root / name) for name in WRAPPED_BY_EXPORT), env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    lines = {Path(line.split()[1]).name: line.split()[2:] for line in done.stdout.splitlines() if line.startswith("TRAINED")}
+    lines = {Path(line.split()[1]).name: line.split()[2:] for line in done.stdout.splitlines()
+             if line.startswith("TRAINED")}
     return lines, texts
 
 
@@ -326,7 +331,8 @@ os._exit(0)
 @pytest.mark.parametrize("cfg, built_on", [
     (FsdpConfig(fsdp_version=2, sharding_strategy="FULL_SHARD", transformer_layer_cls=LAYER, mixed_precision="bf16",
                 activation_checkpointing="full", micro_batch_size=2), "meta"),
-    (FsdpConfig(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP", transformer_layer_cls=LAYER, micro_batch_size=2), "cpu"),
+    (FsdpConfig(fsdp_version=1, sharding_strategy="SHARD_GRAD_OP", transformer_layer_cls=LAYER, micro_batch_size=2),
+     "cpu"),
     (FsdpConfig(fsdp_version=2, sharding_strategy="SHARD_GRAD_OP", transformer_layer_cls=LAYER, mixed_precision="fp16",
                 micro_batch_size=2), "cpu"),
 ], ids=["fsdp2-full-bf16-ac-meta", "fsdp1-sgo-fp32-host", "fsdp2-sgo-fp16-host"])
@@ -357,7 +363,8 @@ def test_export_command_writes_each_format_and_says_what_it_dropped(tmp_path):
     study.set_user_attr("identity", {"model": "llama-tiny", "seq_len": 128, "budget_bytes": 10**9, "nproc": 2})
     study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={
         "config": doc_study["fsdp"], "tokens_per_s": 1.0, "peak_memory_bytes": 1, "world_size": 2, "device": "cpu"}))
-    for fmt, name in [("accelerate", "a.yaml"), ("hf", "h.json"), ("torchtitan", "t.args"), ("torchtitan-0.2", "t.toml"),
+    for fmt, name in [("accelerate", "a.yaml"), ("hf", "h.json"), ("torchtitan", "t.args"), ("torchtitan-0.2",
+                                                                                             "t.toml"),
                       ("python", "p.py"), ("json", "j.json")]:
         done = run_cli("export", "--storage", storage, "-f", fmt, "-o", name, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
@@ -385,7 +392,8 @@ def test_every_format_carries_the_global_batch_in_its_own_key(tmp_path):
     values, _ = torchtitan_overrides(render(doc, "torchtitan")[0])
     assert (values["training.local_batch_size"], values["training.global_batch_size"]) == ("2", "16")
     text, notes = render(doc, "accelerate")
-    assert any("Accelerator(gradient_accumulation_steps=4)" in n for n in notes) and "Gradient accumulation steps: 4" in text
+    assert any("Accelerator(gradient_accumulation_steps=4)" in n
+               for n in notes) and "Gradient accumulation steps: 4" in text
     # Without a global batch, a step is one micro batch on every rank.
     plain = export_doc(cfg)
     assert (plain["global_batch_size"], plain["gradient_accumulation_steps"]) == (4, 1)

@@ -16,12 +16,14 @@ SEQ = 64
 
 def _trial(tmp_path_factory, cfg: FsdpConfig, accum: int, forks):
     request = TrialRequest(fsdp=cfg, seq_len=SEQ, timed_steps=3, grad_accum_steps=accum)
-    return launch_trial(request, tmp_path_factory.mktemp("trial"), nproc=2, timeout_s=240, device_type="cpu", forks=forks)
+    return launch_trial(request, tmp_path_factory.mktemp("trial"), nproc=2, timeout_s=240, device_type="cpu",
+                        forks=forks)
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_accumulation_counts_every_micro_batch_and_holds_unsynced_gradients(version, tmp_path_factory, forks):
-    cfg = FsdpConfig(fsdp_version=version, sharding_strategy="FULL_SHARD", transformer_layer_cls=LAYER, micro_batch_size=1)
+    cfg = FsdpConfig(fsdp_version=version, sharding_strategy="FULL_SHARD", transformer_layer_cls=LAYER,
+                     micro_batch_size=1)
     single, accumulated = (_trial(tmp_path_factory, cfg, accum, forks).result for accum in (1, 3))
     assert single.status == accumulated.status == "ok", accumulated.error
     # A timed step is one optimizer step over 3 micro batches on each of the 2 ranks.
@@ -32,7 +34,8 @@ def test_accumulation_counts_every_micro_batch_and_holds_unsynced_gradients(vers
 
 def test_the_estimate_runs_the_accumulation_a_trial_runs(tmp_path_factory, forks):
     cfg = FsdpConfig(fsdp_version=2, sharding_strategy="FULL_SHARD", transformer_layer_cls=LAYER, micro_batch_size=1)
-    with_accum = EstimatorClient("llama-tiny", 2, 1, SEQ, global_batch_size=8, forks=forks)  # 8 / (1 x 2 ranks): 4 micro batches
+    with_accum = EstimatorClient("llama-tiny", 2, 1, SEQ, global_batch_size=8,
+                                 forks=forks)  # 8 / (1 x 2 ranks): 4 micro batches
     without = EstimatorClient("llama-tiny", 2, 1, SEQ, forks=forks)
     try:
         predicted, plain = with_accum.estimate(cfg), without.estimate(cfg)
@@ -47,8 +50,10 @@ def test_the_estimate_runs_the_accumulation_a_trial_runs(tmp_path_factory, forks
 
 def test_a_study_with_a_global_batch_keeps_the_tokens_of_every_optimizer_step(tmp_path, forks):
     space = tmp_path / "space.yaml"
-    space.write_text("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: [1, 2, 4, 3]\n")
-    done = run_cli("run", "--mem-budget", "20GB", "--space", str(space), "--global-batch-size", "8", "--seq-len", str(SEQ),
+    space.write_text("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: [1, 2, "
+                     "4, 3]\n")
+    done = run_cli("run", "--mem-budget", "20GB", "--space", str(space), "--global-batch-size", "8", "--seq-len",
+                   str(SEQ),
                    "--timed-steps", "3", "--trials", "3", "--confirm", "0", "--no-estimate", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr[-3000:]
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
@@ -64,6 +69,7 @@ def test_a_study_with_a_global_batch_keeps_the_tokens_of_every_optimizer_step(tm
     export = run_cli("export", "-f", "hf", "--study-name", name, cwd=tmp_path)
     assert export.returncode == 0 and '"gradient_accumulation_steps"' in export.stdout
     # Resuming with another global batch is refused; the study is not changed.
-    other = run_cli("run", "--mem-budget", "20GB", "--space", str(space), "--global-batch-size", "16", "--study-name", name,
+    other = run_cli("run", "--mem-budget", "20GB", "--space", str(space), "--global-batch-size", "16", "--study-name",
+                    name,
                     "--seq-len", str(SEQ), cwd=tmp_path, forks=forks)
     assert other.returncode == 2 and "global_batch_size=8" in other.stderr

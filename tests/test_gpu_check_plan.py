@@ -17,7 +17,8 @@ def test_gpu_check_dry_run_prints_the_plan(tmp_path):
     minutes, seconds = re.search(r"about (\d+) min (\d+) s", plan).groups()
     assert 60 * int(minutes) + int(seconds) <= 300
     # Every figure the GPU issue asks a GPU to show has a step that measures it.
-    for what in ("saturation curve", "forked child runs a kernel", "<= 5 s", "until its CI", "set_per_process_memory_fraction",
+    for what in ("saturation curve", "forked child runs a kernel", "<= 5 s", "until its CI",
+                 "set_per_process_memory_fraction",
                  "num_alloc_retries", "oom under the cap", "dense bf16 matmul", "autotune run", "tuner <= 10%",
                  "over the budget (0)", "standard recipe in the same rounds (>= 1.0x)", "MFU", "allocated peak"):
         assert what in plan, what

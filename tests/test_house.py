@@ -56,7 +56,8 @@ def _imports(path: Path, module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base
+                                                                                                  else []))
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
     return {n for n in names if n in MODULES and n != module}
@@ -96,7 +97,8 @@ def test_launch_and_worker_import_in_one_direction():
     launch_to_worker = {m: sorted(d for d in _imports(p, m) if d.startswith("autotune.worker"))
                         for m, p in MODULES.items() if m.startswith("autotune.launch")}
     assert {m: d for m, d in launch_to_worker.items() if d} == {}
-    worker_to_launch = {m: sorted(d for d in _imports(p, m) if d.startswith("autotune.launch.") and d not in WORKER_MAY_USE)
+    worker_to_launch = {m: sorted(d for d in _imports(p, m) if d.startswith("autotune.launch.")
+                                  and d not in WORKER_MAY_USE)
                         for m, p in MODULES.items() if m.startswith("autotune.worker")}
     assert {m: d for m, d in worker_to_launch.items() if d} == {}
     for helper in WORKER_MAY_USE:
@@ -141,7 +143,8 @@ def _literal_attribute_keys(path: Path) -> list[str]:
 
 
 def _is_attrs(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "user_attrs") or (isinstance(node, ast.Name) and node.id == "attrs")
+    return (isinstance(node, ast.Attribute) and node.attr == "user_attrs") or (isinstance(node, ast.Name)
+                                                                               and node.id == "attrs")
 
 
 def test_every_trial_attribute_is_named_in_the_record_module():
@@ -151,7 +154,8 @@ def test_every_trial_attribute_is_named_in_the_record_module():
     assert not literals, "use autotune.study.record.Attr / StudyAttr instead of: " + "; ".join(literals)
 
 
-@pytest.mark.parametrize("module", ["autotune.outputs.tables", "autotune.outputs.html_report", "autotune.outputs.dashboard",
+@pytest.mark.parametrize("module", ["autotune.outputs.tables", "autotune.outputs.html_report",
+                                    "autotune.outputs.dashboard",
                                     "autotune.outputs.export", "autotune.outputs.formats"])
 def test_readers_of_the_record_do_not_import_the_orchestrator(module):
     study_parts = {m for m in _imports(MODULES[module], module) if m.startswith("autotune.study")}
@@ -233,7 +237,7 @@ def declaration_problems(dim) -> list[str]:
         priors = [dim.prior(o, SpeedContext(CPU, 64)) for o in options]
         if not all(isinstance(p, float) for p in priors):
             problems.append("a prior that is not a float of log tokens/s")
-    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+    except Exception as exc:  # any failure is the finding
         problems.append(f"no prior ({exc!r})")
     for part in ("host_rule", "simplest", "label"):
         if not callable(getattr(dim, part, None)):

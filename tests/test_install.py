@@ -36,7 +36,8 @@ def test_ci_runs_the_readme_test_command_in_a_fresh_virtualenv():
 def _declared_distributions() -> set[str]:
     """The dependencies and the extras a user installs for a feature (peft for --lora); not the test extras."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    features = [dep for extra, deps in project.get("optional-dependencies", {}).items() if extra != "test" for dep in deps]
+    features = [dep for extra, deps in project.get("optional-dependencies", {}).items() if extra != "test"
+                for dep in deps]
     return {_normalized(re.split(r"[<>=!\[; ]", dep, maxsplit=1)[0]) for dep in [*project["dependencies"], *features]}
 
 

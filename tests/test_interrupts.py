@@ -159,7 +159,8 @@ def test_the_rerun_measures_the_interrupted_configuration(tmp_path, forks):
     time.sleep(0.5)
     tuner.send_signal(signal.SIGTERM)
     _finish(tuner, tag, signal.SIGTERM)
-    again = run_cli("run", *FAST, "--model", "tests.models:hang_once", "--no-estimate", "--trials", "1", cwd=tmp_path, forks=forks)
+    again = run_cli("run", *FAST, "--model", "tests.models:hang_once", "--no-estimate", "--trials", "1", cwd=tmp_path,
+                    forks=forks)
     assert again.returncode == 0, again.stderr
     study = _study(tmp_path)
     retry = next(t for t in study.trials if t.user_attrs.get("retry_of") == 0)

@@ -16,7 +16,8 @@ LAYER = ("LlamaDecoderLayer",)
 
 
 def test_a_lora_request_round_trips_through_config_json():
-    request = TrialRequest(fsdp=FsdpConfig(transformer_layer_cls=LAYER), lora=LoraSpec(rank=8, target_modules="q_proj, v_proj"))
+    request = TrialRequest(fsdp=FsdpConfig(transformer_layer_cls=LAYER), lora=LoraSpec(rank=8, target_modules="q_proj, "
+                                                                                                              "v_proj"))
     assert request.lora.target_modules == ("q_proj", "v_proj")
     again = TrialRequest.from_dict(json.loads(json.dumps(request.to_dict())))
     assert again == request
@@ -160,7 +161,8 @@ def test_a_lora_study_runs_end_to_end_beside_the_full_one_and_never_resumes_it(t
     assert peft.returncode == 0 and json.loads(peft.stdout)["r"] == 8
     # A LoRA run never resumes the full study, even when named to.
     trials_before = len(optuna.load_study(study_name="llama-tiny-w2-s64-43MiB", storage=storage).trials)
-    refused = run_cli("run", *common, "--lora", "8", "--study-name", "llama-tiny-w2-s64-43MiB", cwd=tmp_path, forks=forks)
+    refused = run_cli("run", *common, "--lora", "8", "--study-name", "llama-tiny-w2-s64-43MiB", cwd=tmp_path,
+                      forks=forks)
     assert refused.returncode == 2
     assert refused.stderr.strip().count("\n") == 0 and "was created with full training, not LoRA rank 8" in refused.stderr
     assert len(optuna.load_study(study_name="llama-tiny-w2-s64-43MiB", storage=storage).trials) == trials_before

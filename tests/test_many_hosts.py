@@ -67,7 +67,8 @@ def test_three_tuners_on_two_hosts_measure_each_configuration_once(postgres, tmp
     trials = optuna.load_study(study_name="two-hosts", storage=postgres.url).trials
     assert all(t.state.is_finished() for t in trials), "a trial was left unfinished"
     launched = _launched(trials)
-    seen = [(t.number, t.state.name, t.user_attrs.get("status"), t.user_attrs.get("cause"), t.user_attrs.get("retry_of"),
+    seen = [(t.number, t.state.name, t.user_attrs.get("status"), t.user_attrs.get("cause"),
+             t.user_attrs.get("retry_of"),
              t.user_attrs.get("runner", {}).get("host"), t.user_attrs.get("config", {}).get("sharding_strategy"),
              t.user_attrs.get("config", {}).get("activation_checkpointing"), "confirmation_round" in t.user_attrs)
             for t in trials]
@@ -134,7 +135,8 @@ def test_a_server_restart_mid_trial_loses_nothing_and_records_nothing_twice(post
 
 def test_a_server_gone_past_the_limit_stops_the_run_in_one_line_and_the_rerun_resumes(postgres, tmp_path, forks):
     limit = {"AUTOTUNE_STORAGE_OUTAGE_S": "5"}
-    tuner = _tuner(postgres.url, "outage", "host-a", tmp_path, "--trials", "2", "--confirm", "0", env=limit, forks=forks)
+    tuner = _tuner(postgres.url, "outage", "host-a", tmp_path, "--trials", "2", "--confirm", "0", env=limit,
+                   forks=forks)
     _wait_for_running(postgres.url, "outage")
     postgres.stop("fast")
     try:
@@ -146,7 +148,8 @@ def test_a_server_gone_past_the_limit_stops_the_run_in_one_line_and_the_rerun_re
     (last,) = [line for line in err.splitlines() if "stopped:" in line]
     assert "unreachable" in last and "rerun the same command" in last and postgres.password not in err
 
-    again = _tuner(postgres.url, "outage", "host-a", tmp_path, "--trials", "2", "--confirm", "0", env=limit, forks=forks)
+    again = _tuner(postgres.url, "outage", "host-a", tmp_path, "--trials", "2", "--confirm", "0", env=limit,
+                   forks=forks)
     _, err = again.communicate(timeout=600)
     assert again.returncode == 0, err[-3000:]
     trials = optuna.load_study(study_name="outage", storage=postgres.url).trials

@@ -57,7 +57,8 @@ def test_the_probe_reads_the_limit_under_each_name():
 @pytest.mark.torchrun  # the host probe builds the model first
 @pytest.mark.parametrize("command", ["run", "estimate"])
 def test_cli_refuses_a_seq_len_above_the_limit_before_anything_starts(gpt2_config, tmp_path, command, forks):
-    done = run_cli(command, "--mem-budget", "20GB", "--model", str(gpt2_config), "--seq-len", "1024", cwd=tmp_path, forks=forks)
+    done = run_cli(command, "--mem-budget", "20GB", "--model", str(gpt2_config), "--seq-len", "1024", cwd=tmp_path,
+                   forks=forks)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--seq-len 1024" in lines[0] and "512" in lines[0]
@@ -73,13 +74,15 @@ def test_a_gpt2_config_tunes_at_its_position_limit(gpt2_config, tmp_path, forks)
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
     study = optuna.load_study(study_name="gpt2-w2-s512-20GB", storage=storage)
     ok = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert ok and all(t.user_attrs["tokens_per_step"] == 512 * 2 * t.user_attrs["config"]["micro_batch_size"] for t in ok)
+    assert ok and all(t.user_attrs["tokens_per_step"] == 512 * 2 * t.user_attrs["config"]["micro_batch_size"]
+                      for t in ok)
 
 
 @pytest.mark.torchrun
 def test_every_trial_crashing_alike_stops_early_and_is_not_called_no_fit(tmp_path, forks):
     done = run_cli("run", "--mem-budget", "20GB", "--model", "tests.models:crash_on_rank1", "--trials", "10",
-                   "--space", "smoke", "--seq-len", "32", "--timed-steps", "2", "--no-estimate", cwd=tmp_path, forks=forks)
+                   "--space", "smoke", "--seq-len", "32", "--timed-steps", "2", "--no-estimate", cwd=tmp_path,
+                   forks=forks)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert "No configuration fits" not in done.stdout

@@ -62,7 +62,8 @@ def test_a_node_lost_mid_trial_ends_it_at_once_and_leaves_nothing(tmp_path):
     (tmp_path / "pids").mkdir()
     os.environ[PID_DIR_VAR] = str(tmp_path / "pids")
     try:
-        worker = threading.Thread(target=lambda: box.update(out=launch_local(request, tmp_path, 1, 120, "cpu", (0, 1), None)))
+        worker = threading.Thread(target=lambda: box.update(out=launch_local(request, tmp_path, 1, 120, "cpu", (0, 1),
+                                                                             None)))
         start = time.monotonic()
         worker.start()
         agent = None
@@ -96,7 +97,8 @@ def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
                      "micro_batch_size: 2\n")
     # Shallow trials: copies of 1 and 2 of llama-tiny's 4 blocks, timed one after the other in each two-node job.
-    done = run_cli("run", "--mem-budget", "20GB", "--nnodes", "2", "--nproc", "1", "--space", str(space), "--seq-len", "64",
+    done = run_cli("run", "--mem-budget", "20GB", "--nnodes", "2", "--nproc", "1", "--space", str(space), "--seq-len",
+                   "64",
                    "--timed-steps", "3", "--trials", "3", "--confirm", "0", "--trial-depth", "1,2", cwd=tmp_path,
                    forks=forks)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -24,7 +24,8 @@ from autotune.study.space import parse_space
 
 LAYER = ("LlamaDecoderLayer",)
 HOST = HostInfo(device_type="cpu", cuda_device_count=0, cpu_count=2, device_name=None, device_memory_bytes=None,
-                bf16_supported=True, fp16_supported=True, bf16_speedup=2.0, torch_version="2.x", transformers_version="5.x")
+                bf16_supported=True, fp16_supported=True, bf16_speedup=2.0, torch_version="2.x",
+                transformers_version="5.x")
 MODEL = ModelInfo(num_params=1000, layer_classes=LAYER, num_layers=2, vocab_size=100, class_name="Tiny")
 MiB = 2**20
 
@@ -103,11 +104,13 @@ def test_ok_trials_are_complete_with_their_figures_and_a_feasible_constraint(tmp
     study = outcome.study
     # The baseline (FSDP2 SHARD_GRAD_OP bf16) and the space's two configurations, each launched once.
     assert len(launch.launched) == 3 and outcome.stop_reason == "space exhausted"
+    # The baseline lies outside the space: a reference, not one of the run's trials.
+    assert study.trials[0].user_attrs[Attr.OUTSIDE_SPACE]
     for t in by_state(study, TrialState.COMPLETE):
         assert t.value == 1000.0 and t.user_attrs[Attr.PEAK_MEMORY_BYTES] == 10 * MiB
         assert t.constraints[CONSTRAINT_KEY] == 10 * MiB - 100 * MiB
         assert t.system_attrs["constraints"] == [10 * MiB - 100 * MiB]
-    assert outcome.counts.launched == 3 and outcome.counts.failed == 0
+    assert (outcome.counts.launched, outcome.counts.references, outcome.counts.failed) == (2, 1, 0)
 
 
 def test_the_baseline_is_enqueued_once_across_runs(tmp_path):
@@ -115,7 +118,8 @@ def test_the_baseline_is_enqueued_once_across_runs(tmp_path):
     second, launch, _ = run(tmp_path, storage=storage)
     baselines = [t for t in second.study.trials if t.user_attrs.get(Attr.BASELINE)]
     assert len(baselines) == 1 and baselines[0].number == 0
-    assert baselines[0].user_attrs[Attr.CONFIG] == standard_recipe(HOST, LAYER, settings(tmp_path, TWO).study.space).to_dict()
+    assert baselines[0].user_attrs[Attr.CONFIG] == standard_recipe(HOST, LAYER, settings(tmp_path,
+                                                                                         TWO).study.space).to_dict()
     assert launch.launched == []  # the space was measured in the first run
 
 
@@ -173,7 +177,8 @@ def test_configurations_predicted_over_budget_are_never_drawn_and_the_reason_is_
     outcome, launch, _ = run(tmp_path, space=space, estimator=estimator)
     study = outcome.study
     assert launch.launched and all(cfg.sharding_strategy != "NO_SHARD" for cfg in launch.launched)
-    assert not [t for t in study.trials if "NO_SHARD" in (t.user_attrs.get(Attr.LABEL) or "")], "an excluded draw became a trial"
+    assert not [t for t in study.trials if "NO_SHARD" in (t.user_attrs.get(Attr.LABEL)
+                                                          or "")], "an excluded draw became a trial"
     excluded = study.user_attrs[StudyAttr.EXCLUDED]
     assert excluded["count"] == 2 and all("predicted peak" in e["reason"] for e in excluded["examples"])
     assert outcome.stop_reason == "space exhausted" and outcome.plan.active
@@ -184,7 +189,8 @@ def test_configurations_predicted_over_budget_are_never_drawn_and_the_reason_is_
 def test_an_enqueued_configuration_predicted_over_budget_is_pruned_with_its_prediction(tmp_path):
     # The baseline (the standard recipe, in bf16 here) is queued, not drawn: the gate still stops it.
     space = "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: fp32\nmicro_batch_size: 1\n"
-    estimator = ScriptedEstimator(lambda cfg: 500 * MiB if "NO_SHARD" in cfg.sharding_strategy or cfg.mixed_precision == "bf16"
+    estimator = ScriptedEstimator(lambda cfg: 500 * MiB if "NO_SHARD" in cfg.sharding_strategy
+                                  or cfg.mixed_precision == "bf16"
                                   else 50 * MiB)
     outcome, launch, _ = run(tmp_path, space=space, estimator=estimator)
     baseline = outcome.study.trials[0]

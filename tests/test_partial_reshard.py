@@ -19,7 +19,8 @@ from tests.test_formats import export_doc
 
 LAYER = ("LlamaDecoderLayer",)
 CPU = HostInfo(device_type="cpu", cuda_device_count=0, cpu_count=2, device_name=None, device_memory_bytes=None,
-               bf16_supported=True, fp16_supported=True, bf16_speedup=0.5, torch_version="2.13", transformers_version="5")
+               bf16_supported=True, fp16_supported=True, bf16_speedup=0.5, torch_version="2.13",
+               transformers_version="5")
 
 
 def fsdp2(**fields) -> FsdpConfig:
@@ -82,7 +83,8 @@ def test_a_smaller_reshard_group_needs_more_memory_and_the_gate_reaches_its_extr
     assert needs_at_least(fsdp2(reshard_group_size=2).to_dict(), fsdp2().to_dict())
     assert not needs_at_least(fsdp2().to_dict(), fsdp2(reshard_group_size=2).to_dict())
     assert needs_at_least(fsdp2(reshard_group_size=2).to_dict(), fsdp2(reshard_group_size=4).to_dict())
-    space = parse_space({"fsdp_version": 2, "sharding_strategy": "FULL_SHARD", "reshard_group_size": ["all", 2, 4]}, "s")
+    space = parse_space({"fsdp_version": 2, "sharding_strategy": "FULL_SHARD", "reshard_group_size": ["all", 2, 4]},
+                        "s")
     assert space.choices["reshard_group_size"] == (None, 2, 4)
     assert hungriest_config(space, LAYER).reshard_group_size == 2
     assert frugal_config(space, LAYER).reshard_group_size is None

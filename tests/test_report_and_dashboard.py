@@ -46,13 +46,16 @@ def study_db(tmp_path_factory):
     layer = ("LlamaDecoderLayer",)
     for i, (version, strategy, mbs) in enumerate([(1, "FULL_SHARD", 1), (2, "FULL_SHARD", 2), (1, "NO_SHARD", 4),
                                                   (2, "NO_SHARD", 1), (1, "FULL_SHARD", 4), (2, "FULL_SHARD", 4)]):
-        cfg = FsdpConfig(fsdp_version=version, sharding_strategy=strategy, micro_batch_size=mbs, transformer_layer_cls=layer)
+        cfg = FsdpConfig(fsdp_version=version, sharding_strategy=strategy, micro_batch_size=mbs,
+                         transformer_layer_cls=layer)
         peak = (40 + 30 * mbs + (40 if strategy == "NO_SHARD" else 0)) * 2**20
         study.add_trial(_trial(cfg, 3000.0 + 900 * mbs + 100 * i, peak))
     oom = FsdpConfig(fsdp_version=2, sharding_strategy="NO_SHARD", micro_batch_size=4, transformer_layer_cls=layer)
     study.add_trial(_trial(oom, 0.0, BUDGET + 1, cause="oom"))
-    study.add_trial(create_trial(state=TrialState.FAIL, user_attrs={"cause": "timeout", "error": "no result within 300s"}))
-    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"prune_reason": "cpu_offload needs an accelerator"}))
+    study.add_trial(create_trial(state=TrialState.FAIL, user_attrs={"cause": "timeout", "error": "no result within "
+                                                                                                 "300s"}))
+    study.add_trial(create_trial(state=TrialState.PRUNED, user_attrs={"prune_reason": "cpu_offload needs an "
+                                                                                      "accelerator"}))
     from autotune.outputs.dashboard import update_study_note
 
     update_study_note(study)
@@ -70,7 +73,8 @@ def test_report_renders_offline_without_javascript_errors(study_db, chromium, tm
     assert "Plotly" in text and "plotly.js" in text  # the library is inline
     rendered = chromium(out.as_uri(), "--enable-logging=stderr", "--v=0", "--virtual-time-budget=8000", "--dump-dom")
     assert rendered.returncode == 0
-    console = [text for text in rendered.stderr.splitlines() if "CONSOLE" in text and ("Uncaught" in text or "Error" in text)]
+    console = [text for text in rendered.stderr.splitlines() if "CONSOLE" in text and ("Uncaught" in text
+                                                                                       or "Error" in text)]
     assert console == [], console
     dom = rendered.stdout
     assert dom.count('class="plotly-graph-div') >= 5
@@ -123,7 +127,8 @@ def test_dashboard_shows_the_study_in_a_browser(study_db, chromium):
     root, storage, study = study_db
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "autotune", "dashboard", "--storage", storage, "--port", str(port),
-                               "--study-name", study.study_name], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               "--study-name", study.study_name], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
     try:
         api = f"http://127.0.0.1:{port}/api/studies/{study._study_id}"
         deadline = time.monotonic() + 60

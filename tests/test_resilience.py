@@ -71,7 +71,8 @@ def test_kill_9_mid_trial_leaves_no_orphans_and_the_rerun_retries(tmp_path, fork
 
 
 def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path, forks):
-    args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--trials", "3", "--confirm", "0", "--no-estimate", *FAST]
+    args = [sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--trials", "3", "--confirm", "0",
+            "--no-estimate", *FAST]
     env = {**os.environ, "PYTHONPATH": str(REPO), **forks.env()}
     tuners = [subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(3)]
@@ -88,7 +89,8 @@ def test_three_tuners_share_one_study_without_loss_or_overlap(tmp_path, forks):
     # That the tuners share the confirmation round as well is tests/test_many_hosts.py's (three tuners, two hosts).
     # The smoke space (4) and the baseline: five configurations, each measured once.
     assert len(launched) == 5
-    windows = sorted((t.user_attrs["started_at"], t.user_attrs["ended_at"]) for t in trials if "started_at" in t.user_attrs
+    windows = sorted((t.user_attrs["started_at"], t.user_attrs["ended_at"]) for t in trials
+                     if "started_at" in t.user_attrs
                      and "reused_from" not in t.user_attrs)
     for (_, end), (start, _) in zip(windows, windows[1:]):
         assert start >= end, "two trials ran on the same devices at once"

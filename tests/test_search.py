@@ -1,5 +1,7 @@
 """autotune's search and confirmation round, through the seams (scripted launches, in-memory storage)."""
 
+import dataclasses
+import json
 import math
 import random
 
@@ -14,8 +16,8 @@ from autotune.study.margin import ESTIMATE_SLACK
 from autotune.study.frontier import frontier_configs
 from tests.test_objective import HOST, LAYER, MODEL, MiB, ScriptedEstimator, ScriptedLaunch, ok, settings
 
-SPACE = ("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP, NO_SHARD]\nmixed_precision: [fp32, bf16]\n"
-         "activation_checkpointing: [none, full]\nmicro_batch_size: [1, 2, 4]\n")
+SPACE = ("fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP, NO_SHARD]\nmixed_precision: [fp32, "
+         "bf16]\nactivation_checkpointing: [none, full]\nmicro_batch_size: [1, 2, 4]\n")
 
 
 def speed(cfg: FsdpConfig) -> float:
@@ -38,7 +40,8 @@ def private_locks(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOTUNE_LOCK_DIR", str(tmp_path / "locks"))
 
 
-def search(tmp_path, budget_mib: int, trials: int, noise: float = 0.0, seed: int = 0, storage=None, space=SPACE, **changes):
+def search(tmp_path, budget_mib: int, trials: int, noise: float = 0.0, seed: int = 0, storage=None, space=SPACE,
+           **changes):
     rng = random.Random(seed)
 
     def answer(cfg, request):
@@ -47,7 +50,8 @@ def search(tmp_path, budget_mib: int, trials: int, noise: float = 0.0, seed: int
 
     launch = ScriptedLaunch(answer)
     estimator = ScriptedEstimator(peak)
-    run = run_study(settings(tmp_path, space, budget=budget_mib * MiB, trials=trials, seed=seed, **changes), HOST, MODEL,
+    run = run_study(settings(tmp_path, space, budget=budget_mib * MiB, trials=trials, seed=seed, **changes), HOST,
+                    MODEL,
                     launch=launch, estimator=estimator, storage=storage or optuna.storages.InMemoryStorage())
     return run, launch
 
@@ -61,7 +65,8 @@ def test_no_configuration_is_drawn_or_launched_twice_under_a_tight_budget(tmp_pa
     # Only what may fit is launched: predicted within budget, or over it by less than the estimate's slack.
     assert all(peak(c) * (1 - ESTIMATE_SLACK["exact"]) <= 50 * MiB for c in launch.launched[1:]), \
         "a configuration predicted over budget even at the estimate's low side was launched"
-    near = [t for t in run.study.trials if trial_config(t) and peak(trial_config(t)) > 50 * MiB and not is_confirmation(t)
+    near = [t for t in run.study.trials if trial_config(t) and peak(trial_config(t)) > 50 * MiB
+            and not is_confirmation(t)
             and Attr.WALL_S in t.user_attrs]
     assert near and all(0 < t.user_attrs[Attr.FIT_CHANCE] < 1 for t in near)
     # Measured over the budget, they are infeasible like any other: the launch told.
@@ -98,8 +103,10 @@ def test_the_first_launches_are_the_standard_recipe_then_the_memory_frontier(tmp
 
 def test_frontier_falls_back_to_checkpointing_only_when_nothing_fits_without():
     candidates = [FsdpConfig(sharding_strategy="FULL_SHARD", mixed_precision="bf16", activation_checkpointing=ac,
-                             micro_batch_size=m, transformer_layer_cls=LAYER) for ac in ("none", "full") for m in (1, 2)]
-    seeds = frontier_configs(candidates, lambda c: c.activation_checkpointing == "full" and c.micro_batch_size == 1, ("bf16",))
+                             micro_batch_size=m, transformer_layer_cls=LAYER) for ac in ("none", "full") for m in (1,
+                                                                                                                   2)]
+    seeds = frontier_configs(candidates, lambda c: c.activation_checkpointing == "full" and c.micro_batch_size == 1,
+                             ("bf16",))
     assert [(c.activation_checkpointing, c.micro_batch_size) for c in seeds] == [("full", 1)]
     assert frontier_configs(candidates, lambda c: False, ("bf16",)) == []
 
@@ -118,21 +125,24 @@ def test_the_frontier_is_planned_a_strategy_at_a_time_and_a_strategy_that_cannot
 
     def fits(cfg):
         asked.append(cfg)
-        return cfg.sharding_strategy != "NO_SHARD" and (cfg.micro_batch_size <= 2 or cfg.activation_checkpointing == "full")
+        return cfg.sharding_strategy != "NO_SHARD" and (cfg.micro_batch_size <= 2
+                                                        or cfg.activation_checkpointing == "full")
 
     plan = frontier_by_strategy(candidates, fits, ("bf16", "fp32"))
     first = next(plan)
     assert {c.sharding_strategy for c in first} == {"SHARD_GRAD_OP"}
     # NO_SHARD: its least hungry configuration alone (full checkpointing, micro batch 1, bf16).
     no_shard = [c for c in asked if c.sharding_strategy == "NO_SHARD"]
-    assert [(c.activation_checkpointing, c.micro_batch_size, c.mixed_precision) for c in no_shard] == [("full", 1, "bf16")]
+    assert [(c.activation_checkpointing, c.micro_batch_size, c.mixed_precision) for c in no_shard] == [("full", 1,
+                                                                                                        "bf16")]
     assert not any(c.sharding_strategy == "FULL_SHARD" for c in asked), "the next strategy was planned before its turn"
     assert [c.sharding_strategy for c in next(plan)] == ["FULL_SHARD"] and next(plan, None) is None
 
 
 def test_the_search_finds_the_best_within_a_few_launches(tmp_path):
     budget = 60
-    best = max((c for c in settings(tmp_path, SPACE).study.space.enumerate(LAYER) if peak(c) <= budget * MiB), key=speed)
+    best = max((c for c in settings(tmp_path, SPACE).study.space.enumerate(LAYER) if peak(c) <= budget * MiB),
+               key=speed)
     run, launch = search(tmp_path, budget_mib=budget, trials=8)
     found = max((c for c in launch.launched if peak(c) <= budget * MiB), key=speed)
     assert speed(found) >= 0.97 * speed(best), (found.describe(), best.describe())
@@ -241,13 +251,15 @@ def test_the_frontier_spans_checkpointing_and_micro_batch_and_the_probe_orders_i
     from autotune.study.priors import host_priors
     from autotune.study.search import ModelSearch
 
-    space = settings(tmp_path, "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: bf16\n"
-                               "activation_checkpointing: [none, selective, full]\nmicro_batch_size: [1, 2, 4, 8]\n").study.space
+    space = settings(tmp_path, "fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: "
+                               "bf16\nactivation_checkpointing: [none, selective, full]\nmicro_batch_size: [1, 2, 4, "
+                               "8]\n").study.space
     candidates = space.enumerate(LAYER)
 
     def fits(c):  # no checkpointing fits 1, selective 2, full 8 samples (NO_SHARD one size less)
         limit = {"none": 1, "selective": 2, "full": 8}[c.activation_checkpointing]
-        return (1.0, None) if c.micro_batch_size * (2 if c.sharding_strategy == "NO_SHARD" else 1) <= limit else (0.0, "no")
+        return (1.0, None) if c.micro_batch_size * (2 if c.sharding_strategy == "NO_SHARD" else 1) <= limit else (0.0,
+                                                                                                                  "no")
 
     gpu = dataclasses.replace(HOST, device_type="cuda", cuda_device_count=1, cuda_capability=(9, 0),
                               saturation={2048: 0.45, 4096: 0.7, 8192: 0.9, 16384: 1.0})
@@ -260,3 +272,38 @@ def test_the_frontier_spans_checkpointing_and_micro_batch_and_the_probe_orders_i
     # fits (none fits nowhere here), then each other strategy once, at what the probe expects fastest.
     assert order["gpu"] == [("NO_SHARD", "full", 4), ("NO_SHARD", "selective", 1), ("FULL_SHARD", "full", 8)]
     assert order["cpu"] == [("NO_SHARD", "selective", 1), ("NO_SHARD", "full", 4), ("FULL_SHARD", "none", 1)]
+
+
+def test_a_recipe_outside_the_space_is_measured_beside_the_answer_and_never_exported(tmp_path, capsys):
+    """The space of issue 37: FSDP2 FULL_SHARD, bf16, no checkpointing, micro batch 2, one trial. The standard recipe
+    (full checkpointing) lies outside it: it runs as a reference, not as the one trial, and where it is faster the
+    summary names the choice the space leaves out; the answer, and its export, stay inside the space."""
+    from autotune.outputs.summary import best_config_path, summarize
+    from autotune.study.record import winner
+
+    space = ("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: bf16\nactivation_checkpointing: none\n"
+             "micro_batch_size: 2\n")
+    launch = ScriptedLaunch(lambda cfg, req: ok(tokens=1200.0 if cfg.activation_checkpointing == "full" else 1000.0,
+                                                peak=peak(cfg)))
+    storage_url = f"sqlite:///{tmp_path}/s.db"
+    asked = settings(tmp_path, space, budget=500 * MiB, trials=1)
+    asked = dataclasses.replace(asked, study=dataclasses.replace(asked.study, storage_url=storage_url))
+    run = run_study(asked, HOST, MODEL, launch=launch, estimator=ScriptedEstimator(peak))
+    assert [c.activation_checkpointing for c in launch.launched] == ["full", "none"]
+    assert (run.counts.launched, run.counts.references) == (1, 1)
+    reference = run.study.trials[0]
+    assert reference.user_attrs[Attr.BASELINE] and reference.user_attrs[Attr.OUTSIDE_SPACE]
+    assert trial_config(winner(run.study)).activation_checkpointing == "none"
+    capsys.readouterr()
+    assert summarize(run, asked) == 0
+    out = capsys.readouterr().out
+    assert "The standard recipe, which the space does not offer, ran 1.20x the answer" in out
+    assert "leaves out activation_checkpointing=full" in out and "1 reference outside the space" in out
+    exported = json.loads(best_config_path(storage_url, run.study.study_name).read_text())
+    assert exported["fsdp"]["activation_checkpointing"] == "none"
+
+
+def test_a_recipe_the_space_offers_is_one_of_its_trials(tmp_path):
+    run, launch = search(tmp_path, budget_mib=500, trials=3)
+    assert not run.study.trials[0].user_attrs.get(Attr.OUTSIDE_SPACE)
+    assert run.counts.references == 0 and len(launch.launched) == 3

@@ -30,7 +30,9 @@ def tight(tmp_path_factory):
     """The FSDP2 half of the committed table, at its 10th-percentile measured peak."""
     root = tmp_path_factory.mktemp("slice")
     space = root / "fsdp2.yaml"
-    space.write_text((REPO / "search_spaces" / "benchmark_cpu.yaml").read_text().replace("fsdp_version: [1, 2]", "fsdp_version: 2"))
+    space.write_text((REPO / "search_spaces" / "benchmark_cpu.yaml").read_text().replace("fsdp_version: [1, 2]",
+                                                                                         "fsdp_version: "
+                                                                                                                 "2"))
     table = replay.Table(TABLE)
     table.header["space"] = str(space)
     table.configs = [c for c in table.configs if c.fsdp_version == 2]
@@ -49,7 +51,8 @@ def test_a_tight_budget_never_draws_a_configuration_twice_or_over_budget(tight, 
                             budget_bytes=budget.bytes, budget_text=format_bytes(budget.bytes),
                             space=load_space(table.header["space"]), name="slice",
                             storage_url=f"sqlite:///{root}/s{seed}/unused.db"),
-        search=SearchSettings(trials=30, seed=seed, confirm=0), execution=ExecutionSettings(trial_timeout_s=600, quiet=True))
+        search=SearchSettings(trials=30, seed=seed, confirm=0), execution=ExecutionSettings(trial_timeout_s=600,
+                                                                                            quiet=True))
     run = run_study(settings, table.host, table.model, launch=replay.TableLaunch(budget, seed),
                     estimator=replay.TableEstimator(table), storage=optuna.storages.InMemoryStorage())
     search = [t for t in run.study.trials if trial_config(t) is not None and not is_confirmation(t)]

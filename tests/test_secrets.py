@@ -10,7 +10,8 @@ from tests.conftest import cli_in_process, run_cli
 
 
 @pytest.mark.parametrize("url, shown", [
-    ("postgresql+psycopg://tuner:s3cret@db.example:5432/studies", "postgresql+psycopg://tuner:***@db.example:5432/studies"),
+    ("postgresql+psycopg://tuner:s3cret@db.example:5432/studies",
+     "postgresql+psycopg://tuner:***@db.example:5432/studies"),
     ("postgresql://tuner:p%40ss@host/db", "postgresql://tuner:***@host/db"),
     ("mysql+pymysql://root@host/db", "mysql+pymysql://root@host/db"),
     ("sqlite:///studies/autotune.db", "sqlite:///studies/autotune.db"),
@@ -42,7 +43,8 @@ def test_a_missing_driver_is_one_line_naming_the_extra_without_the_password(tmp_
 
 
 @pytest.mark.torchrun
-def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_path, monkeypatch, capsys, caplog, forks):
+def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_path, monkeypatch, capsys, caplog,
+                                                                 forks):
     url, password = postgres.url, postgres.password
     seen = []
     run = run_cli("run", "--mem-budget", "20GB", "--storage", url, "--study-name", "secrets", "--space", "smoke",
@@ -51,9 +53,11 @@ def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_p
     seen += [run.stdout, run.stderr]
     assert "***@127.0.0.1" in run.stderr  # the run says where the study is, masked
     for args in (["trials"], ["trials", "-f", "json"], ["report", "-o", "report.html"],
-                 *[["export", "-f", fmt, "-o", f"best.{fmt}"] for fmt in ("json", "accelerate", "hf", "torchtitan", "python")]):
+                 *[["export", "-f", fmt, "-o", f"best.{fmt}"] for fmt in ("json", "accelerate", "hf", "torchtitan",
+                                                                          "python")]):
         # In this process: the run above is the user's view; these only read the study.
-        code, out, err = cli_in_process([*args, "--storage", url, "--study-name", "secrets"], tmp_path, monkeypatch, capsys)
+        code, out, err = cli_in_process([*args, "--storage", url, "--study-name", "secrets"], tmp_path, monkeypatch,
+                                        capsys)
         assert code == 0, (args, err)
         seen += [out, err]
     code, out, err = cli_in_process(["trials", "--storage", url, "--study-name", "nope"], tmp_path, monkeypatch, capsys)
@@ -65,7 +69,8 @@ def test_no_output_of_a_real_postgresql_study_holds_the_password(postgres, tmp_p
     seen += [p.read_text(errors="replace") for p in files]
     study = optuna.load_study(study_name="secrets", storage=url)
     # The study's own records, the dashboard note among them (a system attribute).
-    seen += [json.dumps(study.user_attrs), json.dumps(study._storage.get_study_system_attrs(study._study_id), default=str)]
+    seen += [json.dumps(study.user_attrs), json.dumps(study._storage.get_study_system_attrs(study._study_id),
+                                                      default=str)]
     seen += [json.dumps(t.user_attrs, default=str) + json.dumps(t.system_attrs, default=str) for t in study.trials]
     leaks = [text[max(0, text.find(password) - 80):text.find(password) + 20] for text in seen if password in text]
     assert not leaks, leaks

@@ -67,7 +67,8 @@ def test_a_two_node_trial_runs_as_one_job_step_of_two_agents(slurm, tmp_path):
 
 def test_a_timed_out_step_leaves_no_step_and_no_process(slurm, tmp_path):
     start = time.monotonic()
-    done = _in_allocation(slurm, tmp_path, sys.executable, "-c", TRIAL, "tests.models:hang", "12", str(tmp_path / "trial"))
+    done = _in_allocation(slurm, tmp_path, sys.executable, "-c", TRIAL, "tests.models:hang", "12",
+                          str(tmp_path / "trial"))
     result = _result(done)
     assert result["status"] == "timeout" and result["wall_s"] < 60
     assert time.monotonic() - start < 120
@@ -84,8 +85,10 @@ def test_autotune_run_inside_an_allocation_uses_slurm_for_two_nodes(slurm, tmp_p
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: fp32\n"
                      "micro_batch_size: 2\n")
     # A shallow study: each trial times copies of 1 and 2 of llama-tiny's 4 blocks in one job step.
-    done = _in_allocation(slurm, tmp_path, sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--nnodes", "2",
-                          "--nproc", "1", "--space", str(space), "--seq-len", "64", "--timed-steps", "3", "--trials", "1",
+    done = _in_allocation(slurm, tmp_path, sys.executable, "-m", "autotune", "run", "--mem-budget", "20GB", "--nnodes",
+                          "2",
+                          "--nproc", "1", "--space", str(space), "--seq-len", "64", "--timed-steps", "3", "--trials",
+                          "1",
                           "--confirm", "0", "--trial-depth", "1,2", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"

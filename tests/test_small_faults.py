@@ -16,7 +16,8 @@ def _settings(tmp_path, **changes):
     from autotune.study.settings import ExecutionSettings, RunSettings, SearchSettings, StudySettings
 
     fields = dict(model="llama-tiny", model_label="llama-tiny", nproc=2, seq_len=32, budget_bytes=10**9,
-                  budget_text="1GB", space=load_space("smoke"), name="race", storage_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+                  budget_text="1GB", space=load_space("smoke"), name="race",
+                  storage_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
     return RunSettings(study=StudySettings(**{**fields, **changes}), search=SearchSettings(trials=1),
                        execution=ExecutionSettings(trial_timeout_s=60))
 
@@ -88,7 +89,8 @@ def test_measure_uses_the_hosts_device_and_holds_its_slot(tmp_path, monkeypatch)
     import autotune.launch.launcher
     from autotune.launch.locks import _try_slot
 
-    host = HostInfo(device_type="cuda", cuda_device_count=2, cpu_count=16, device_name="GPU", device_memory_bytes=80 * 2**30,
+    host = HostInfo(device_type="cuda", cuda_device_count=2, cpu_count=16, device_name="GPU",
+                    device_memory_bytes=80 * 2**30,
                     bf16_supported=True, fp16_supported=True, bf16_speedup=None, torch_version="2.x",
                     transformers_version="5.x")
     model = ModelInfo(num_params=1, layer_classes=("LlamaDecoderLayer",), num_layers=1, vocab_size=1, class_name="M")
@@ -98,7 +100,8 @@ def test_measure_uses_the_hosts_device_and_holds_its_slot(tmp_path, monkeypatch)
 
     def launch(request, trial_dir, nproc, timeout_s, device_type, devices=None, forks=None):
         seen.update(device_type=device_type, devices=devices, free=_try_slot(device_type, devices, None) is not None)
-        return autotune.launch.launcher.LaunchOutcome(TrialResult(status="ok", tokens_per_s=1.0), 1.0, tmp_path / "log", tmp_path)
+        return autotune.launch.launcher.LaunchOutcome(TrialResult(status="ok", tokens_per_s=1.0), 1.0,
+                                                      tmp_path / "log", tmp_path)
 
     monkeypatch.setattr(autotune.launch.launcher, "launch_trial", launch)
     config = tmp_path / "config.json"

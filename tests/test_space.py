@@ -92,7 +92,7 @@ def test_a_folder_named_like_a_builtin_space_does_not_hide_it(tmp_path, monkeypa
 def test_a_file_named_like_a_builtin_space_is_used_and_the_choice_said(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "smoke").write_text("fsdp_version: 2\n")
-    assert load_space("smoke").choices == load_space("smoke").choices == {"fsdp_version": (2,)}
+    assert load_space("smoke").choices == {"fsdp_version": (2,)}
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"using the file {tmp_path / 'smoke'}, not the built-in space smoke" in err
 

@@ -55,7 +55,8 @@ def test_sqlite_holds_states_attrs_and_constraints(study_run):
     # The baseline (the standard recipe: FSDP2 FULL_SHARD, full checkpointing) plus the smoke space's 4 configurations.
     assert complete[0].user_attrs["baseline"] is True
     recipe = complete[0].user_attrs["config"]
-    assert (recipe["fsdp_version"], recipe["sharding_strategy"], recipe["activation_checkpointing"]) == (2, "FULL_SHARD", "full")
+    assert (recipe["fsdp_version"], recipe["sharding_strategy"],
+            recipe["activation_checkpointing"]) == (2, "FULL_SHARD", "full")
     for t in launched:
         attrs = t.user_attrs
         assert t.value == attrs["tokens_per_s"] > 0
@@ -177,5 +178,6 @@ def test_nothing_fits_a_one_megabyte_budget(tmp_path, forks):
     assert done.returncode == 1, done.stderr
     assert "No configuration fits in 1MB" in done.stdout
     assert "smallest peak seen was" in done.stdout
-    study = optuna.load_study(study_name="llama-tiny-w2-s64-1MB", storage=f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}")
+    study = optuna.load_study(study_name="llama-tiny-w2-s64-1MB",
+                              storage=f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}")
     assert all(t.constraints["peak_memory_over_budget"] > 0 for t in study.trials if t.state == TrialState.COMPLETE)

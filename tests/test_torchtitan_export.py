@@ -106,7 +106,8 @@ def test_torchtitan_refuses_a_mistyped_key(torchtitan_python):
 
 @pytest.mark.torchrun
 def test_the_export_of_a_real_study_is_what_torchtitan_reads(torchtitan_python, tmp_path, forks):
-    done = run_cli("run", "--mem-budget", "20GB", "--space", "smoke", "--trials", "2", "--seq-len", "32", "--timed-steps",
+    done = run_cli("run", "--mem-budget", "20GB", "--space", "smoke", "--trials", "2", "--seq-len", "32",
+                   "--timed-steps",
                    "3", "--confirm", "0", "--no-estimate", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr[-3000:]
     exported = run_cli("export", "-f", "json", cwd=tmp_path)

@@ -34,7 +34,8 @@ def grid_results(tmp_path_factory, forks):
         cfg = FsdpConfig(fsdp_version=version, sharding_strategy=strategy, activation_checkpointing=ac,
                          transformer_layer_cls=("LlamaDecoderLayer",), micro_batch_size=2)
         # One of them starts fresh interpreters: both paths must measure alike.
-        results[(version, strategy, ac)] = _run(tmp_path_factory, cfg, forks=None if (version, strategy, ac) == GRID[0] else forks)
+        results[(version, strategy, ac)] = _run(tmp_path_factory, cfg, forks=None if (version, strategy, ac) == GRID[0]
+                                                else forks)
     return results
 
 

@@ -37,7 +37,8 @@ def test_selective_checkpointing_keeps_matmul_outputs_between_none_and_full(tmp_
         client.close()
     assert predicted["method"] == "fake_tensor_step"
     assert predicted["peak_bytes"] == pytest.approx(peaks["selective"], rel=0.03)
-    fsdp1 = _trial(tmp_path_factory, FsdpConfig(fsdp_version=1, activation_checkpointing="selective", micro_batch_size=4,
+    fsdp1 = _trial(tmp_path_factory, FsdpConfig(fsdp_version=1, activation_checkpointing="selective",
+                                                micro_batch_size=4,
                                                 transformer_layer_cls=LAYER), forks).result
     assert fsdp1.status == "ok", fsdp1.error
 
@@ -89,8 +90,10 @@ def test_a_mixture_of_experts_model_tunes_with_its_experts_inside_each_unit(mixt
     from tests.conftest import run_cli
 
     space = tmp_path / "space.yaml"
-    space.write_text("fsdp_version: [1, 2]\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: 2\n")
-    done = run_cli("run", "--mem-budget", "20GB", "--model", str(mixtral_config), "--space", str(space), "--seq-len", "64",
+    space.write_text("fsdp_version: [1, 2]\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\nmicro_batch_size: "
+                     "2\n")
+    done = run_cli("run", "--mem-budget", "20GB", "--model", str(mixtral_config), "--space", str(space), "--seq-len",
+                   "64",
                    "--timed-steps", "3", "--trials", "3", "--confirm", "0", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr[-3000:]
     trials = json.loads(run_cli("trials", "-f", "json", cwd=tmp_path).stdout)["trials"]

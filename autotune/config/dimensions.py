@@ -329,7 +329,7 @@ def _compile_rule(value: bool, fields: Fields, placement: Placement) -> str | No
     return None
 
 
-# -- Equivalence rules (each checked by measuring: tests/test_equivalence.py) --------------------------------------------
+# -- Equivalence rules (each checked by measuring: tests/test_equivalence.py) ------------------------------------
 
 def _simplest_strategy(fields: Fields, topology: Topology) -> str:
     """A hybrid strategy whose shard groups span every rank is its non-hybrid
@@ -366,7 +366,8 @@ def _unused_unless(condition: Callable[[Fields, Topology], bool], name: str) -> 
 
 def _never_unshards(fields: Fields) -> bool:
     """FSDP1 NO_SHARD in fp32 never unshards: no all-gather, no cast."""
-    return fields["fsdp_version"] == 1 and fields["sharding_strategy"] == "NO_SHARD" and fields["mixed_precision"] == "fp32"
+    return (fields["fsdp_version"] == 1 and fields["sharding_strategy"] == "NO_SHARD"
+            and fields["mixed_precision"] == "fp32")
 
 
 def _simplest_checkpointing(fields: Fields, topology: Topology) -> str:
@@ -398,7 +399,7 @@ def _simplest_reshard_group(fields: Fields, topology: Topology) -> int | None:
     return None if value >= shard_ranks(fields, topology.world_size, topology.nnodes) else value
 
 
-# -- The declarations, in drawing order ----------------------------------------------------------------------------------
+# -- The declarations, in drawing order ----------------------------------------------------------------------
 
 def _wrap_label(value: str, fields: Fields) -> str:
     return {"transformer_layer": "wrap=layer", "size_based": f"wrap>={fields['min_num_params']:.0e}",
@@ -432,7 +433,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension(
         "mixed_precision", str, MIXED_PRECISIONS,
         ranked(("fp32", "bf16_fp32_reduce", "bf16"), ("fp32", "fp16", "bf16"),
-               hungriest=("fp32", "bf16_fp32_reduce", "fp16", "bf16"), frugal=("bf16", "fp16", "bf16_fp32_reduce", "fp32")),
+               hungriest=("fp32", "bf16_fp32_reduce", "fp16", "bf16"), frugal=("bf16", "fp16", "bf16_fp32_reduce",
+                                                                               "fp32")),
         lambda v, c: precision_effects(c.host)[v], _precision_rule, lambda f, t: f["mixed_precision"],
         preferred=(), apply=("fsdp.apply_fsdp1", "fsdp.apply_fsdp2"), label=lambda v, f: v),
     Dimension(
@@ -467,7 +469,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
         label=lambda v, f: "no-limit-ag" if f["fsdp_version"] == 1 and not v else None,
         applies=lambda p: p["fsdp_version"] == 1),
     Dimension(
-        "shard_group_size", int, None, _smaller_group_needs_more(none_is_whole=False), _no_prior, _shard_group_rule, _simplest_shard_group,
+        "shard_group_size", int, None, _smaller_group_needs_more(none_is_whole=False), _no_prior,
+        _shard_group_rule, _simplest_shard_group,
         preferred=(None,), apply=("fsdp.build_mesh",),
         label=lambda v, f: f"shard={v or 'node'}" if f["sharding_strategy"] in HYBRID_STRATEGIES else None,
         applies=lambda p: p["sharding_strategy"] in HYBRID_STRATEGIES, aliases={"node": None}),

@@ -46,8 +46,8 @@ class TrialRequest:
     timing_budget_s: float | None = None
     # A lock file rank 0 holds shared while steps are timed: the tuner estimates
     # memory on the trial's own cores only while no trial holds it (see
-    # autotune.launch.locks.quiet_lock_path). None: nothing to keep quiet.
-    quiet_lock: str | None = None
+    # autotune.launch.locks.timing_lock_path). None: no lock to hold.
+    timing_lock: str | None = None
     # LoRA fine-tuning on frozen base weights; None: every parameter trains.
     lora: LoraSpec | None = None
     # Shallow trial (autotune.depth): copies of the model at these depths are timed, one after the other in this
@@ -89,8 +89,8 @@ class TrialRequest:
             check_type("memory_budget_bytes", self.memory_budget_bytes, int)
             if self.memory_budget_bytes < 1:
                 raise ConfigError(f"memory_budget_bytes={self.memory_budget_bytes} must be at least 1")
-        if self.quiet_lock is not None:
-            check_type("quiet_lock", self.quiet_lock, str)
+        if self.timing_lock is not None:
+            check_type("timing_lock", self.timing_lock, str)
         if self.timing_budget_s is not None:
             check_type("timing_budget_s", self.timing_budget_s, float)
             if self.timing_budget_s <= 0:
@@ -101,7 +101,8 @@ class TrialRequest:
             if len(self.depths) < 2 or list(self.depths) != sorted(set(self.depths)) or self.depths[0] < 1:
                 raise ConfigError(f"depths={list(self.depths)} must be two or more increasing block counts")
             if not isinstance(self.full_depth, int) or self.full_depth <= self.depths[-1]:
-                raise ConfigError(f"full_depth={self.full_depth} must be deeper than the shallow copies {list(self.depths)}")
+                raise ConfigError(f"full_depth={self.full_depth} must be deeper than the shallow copies "
+                                  f"{list(self.depths)}")
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -161,7 +161,8 @@ class ForkServer:
 
     Started first (its imports overlap the driver's own start-up); ``ready()``
     waits for it. The host probe, every memory estimate and every trial's
-    processes are forked from it, so a run imports torch and transformers once. A server that fails to start is reported once and the tuner
+    processes are forked from it, so a run imports torch and transformers once.
+    A server that fails to start is reported once and the tuner
     carries on with fresh interpreters, so this is a speed-up, never a
     dependency.
     """

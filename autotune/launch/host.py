@@ -126,8 +126,8 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
     try:
         done = run_forked(forks, "autotune.worker.probe:main", argv, timeout_s)
         if done is None:
-            fresh = subprocess.run([sys.executable, "-m", "autotune.worker.probe", *argv], capture_output=True, text=True,
-                                   timeout=timeout_s)
+            fresh = subprocess.run([sys.executable, "-m", "autotune.worker.probe", *argv], capture_output=True,
+                                   text=True, timeout=timeout_s)
             done = fresh.returncode, fresh.stdout + fresh.stderr
     except (subprocess.TimeoutExpired, TimeoutError):
         raise UsageError(f"--model {model}: building it on the meta device took over {timeout_s:.0f}s") from None

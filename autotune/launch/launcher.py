@@ -274,7 +274,8 @@ def run_agents(request: TrialRequest, trial_dir: Path, timeout_s: float,
                 agents.stop()
     if ending.lost is not None:
         result = TrialResult(status=Status.NODE_LOST, exit_code=agents.exit_code(),
-                             error=f"node {ending.lost.node} was lost mid-trial: {ending.lost.how}; its peers were stopped")
+                             error=f"node {ending.lost.node} was lost mid-trial: {ending.lost.how}; its peers were "
+                                   "stopped")
     else:
         result = classify(trial_dir, agents.exit_code(), ending.timed_out, timeout_s, log_path)
     return LaunchOutcome(result=result, wall_s=time.perf_counter() - start_s, log_path=log_path, trial_dir=trial_dir,
@@ -312,7 +313,8 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
     """ok / aborted from ``result.json``; oom / crash from rank error files and
     exit codes; timeout when the driver had to stop the job."""
     if timed_out:
-        return TrialResult(status=Status.TIMEOUT, error=f"no result within --trial-timeout {timeout_s:.0f}s; the job was killed", exit_code=exit_code)
+        return TrialResult(status=Status.TIMEOUT, error=f"no result within --trial-timeout {timeout_s:.0f}s; the job "
+                                                        "was killed", exit_code=exit_code)
     failures = []
     for path in sorted(trial_dir.glob("rank*.error.json")):
         try:
@@ -356,7 +358,8 @@ def classify(trial_dir: Path, exit_code: int | None, timed_out: bool, timeout_s:
         rank_log = trial_dir / f"rank{died['rank']}.log"
         return TrialResult(
             status=Status.CRASH,
-            error=f"rank {died['rank']} {how} without reporting an error; last lines of its log:\n{_log_tail(rank_log)}",
+            error=(f"rank {died['rank']} {how} without reporting an error; last lines of its log:\n"
+                   f"{_log_tail(rank_log)}"),
             failed_rank=died["rank"],
             exit_code=died["exit_code"],
         )

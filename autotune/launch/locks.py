@@ -126,9 +126,9 @@ def _flock(path: Path, how: int) -> Iterator[None]:
         os.close(fd)
 
 
-def quiet_lock_path() -> Path:
+def timing_lock_path() -> Path:
     """This tuner's timing lock. Trials time their steps holding it shared (trials
     of several device slots time at once); the tuner runs a background memory
     estimate on cores its trials use only holding it exclusively, so no step is
     ever timed while an estimate competes for its cores."""
-    return lock_dir() / f"{socket.gethostname()}-quiet-{os.getpid()}.lock"
+    return lock_dir() / f"{socket.gethostname()}-timing-{os.getpid()}.lock"

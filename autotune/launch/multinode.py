@@ -95,7 +95,8 @@ def launch_local(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: 
                 mine = node_devices(devices, nnodes, node)
                 command = [sys.executable, "-m", "torch.distributed.run", *agent_args(nnodes, nproc, endpoint, rdzv_id),
                            f"--node-rank={node}", *worker_args(config_path, trial_dir)]
-                log.write(f"autotune: simulated node {node} of {nnodes}, devices {mine}: {' '.join(command[1:])}\n".encode())
+                said = f"autotune: simulated node {node} of {nnodes}, devices {mine}: {' '.join(command[1:])}\n"
+                log.write(said.encode())
                 log.flush()
                 nodes.agents.append(start_torchrun(command, log, trial_env(nproc, device_type, mine), device_type, mine,
                                                    forks))
@@ -123,7 +124,8 @@ def first_node_address(environ: dict[str, str] | None = None) -> str:
                            text=True, env=env, timeout=30).stdout.split()
     if not nodes:
         raise RuntimeError("scontrol show hostnames gave no node for SLURM_JOB_NODELIST")
-    shown = subprocess.run(["scontrol", "show", "node", nodes[0]], capture_output=True, text=True, env=env, timeout=30).stdout
+    shown = subprocess.run(["scontrol", "show", "node", nodes[0]], capture_output=True, text=True, env=env,
+                           timeout=30).stdout
     address = next((part.split("=", 1)[1] for part in shown.split() if part.startswith("NodeAddr=")), nodes[0])
     return address
 
@@ -182,15 +184,18 @@ def lost_node(trial_dir: Path, nnodes: int, step_ended: bool, step_failed: bool)
     if step_ended and step_failed:
         missing = [node for node in range(nnodes) if node not in records]
         if missing:
-            return LostNode(missing[0], "its Slurm task ended without a record (the node failed, or the task was killed)")
+            return LostNode(missing[0], "its Slurm task ended without a record (the node failed, or the task was "
+                                        "killed)")
     return None
 
 
-def launch_slurm(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: float, device_type: str) -> LaunchOutcome:
+def launch_slurm(request: TrialRequest, trial_dir: Path, nproc: int, timeout_s: float,
+                 device_type: str) -> LaunchOutcome:
     """The trial as one Slurm job step of the current allocation."""
     allocation = slurm_allocation()
     if allocation is None:
-        raise RuntimeError("--launcher slurm runs inside a Slurm allocation (salloc or sbatch): SLURM_JOB_ID is not set")
+        raise RuntimeError("--launcher slurm runs inside a Slurm allocation (salloc or sbatch): SLURM_JOB_ID is not "
+                           "set")
     job, allocated = allocation
 
     def start(config_path: Path, log: IO[bytes]) -> SlurmStep:
@@ -231,8 +236,8 @@ def check_launcher(launcher: str, nnodes: int, trial_root: Path) -> None:
         if shutil.which("srun") is None:
             raise UsageError("--launcher slurm: srun is not on PATH")
         if min(nnodes, allocation[1]) > 1 and _is_node_local(trial_root):
-            raise UsageError(f"--launcher slurm: the trial folders ({trial_root}) are on a node-local filesystem; "
-                             "put the study (--storage sqlite:///path/on/shared/fs/autotune.db) where every node sees it")
+            raise UsageError(f"--launcher slurm: the trial folders ({trial_root}) are on a node-local filesystem; put "
+                             "the study (--storage sqlite:///path/on/shared/fs/autotune.db) where every node sees it")
 
 
 # Filesystems that only one node ever sees.

@@ -23,10 +23,10 @@ def study_note(study: optuna.Study) -> str:
     ]
     plan = study.user_attrs.get(StudyAttr.TRIAL_DEPTH) or {}
     if plan.get("depths"):
-        lines.append(f"\nSearch trials are **extrapolated**: tokens/s timed on shallow copies of "
-                     f"{' and '.join(map(str, plan['depths']))} blocks and extended to the model's {plan.get('full_depth')} "
-                     "(user attribute `extrapolated`), peak memory from the full-depth estimate; the confirmation "
-                     "rounds run the model at full depth.")
+        lines.append("\nSearch trials are **extrapolated**: tokens/s timed on shallow copies of "
+                     f"{' and '.join(map(str, plan['depths']))} blocks and extended to the model's "
+                     f"{plan.get('full_depth')} (user attribute `extrapolated`), peak memory from the full-depth "
+                     "estimate; the confirmation rounds run the model at full depth.")
     best = winner(study)
     verdict = read_verdict(study)
     if best is None:
@@ -54,7 +54,8 @@ def confirmation_lines(verdict: Verdict) -> list[str]:
              f"`confirmation_round`): `{w.label}`: {w.mean:,.0f} tokens/s, peak "
              f"{format_bytes(w.peak_memory_bytes or 0)}."]
     for tie in verdict.ties:
-        lines.append(f"\n- tie: `{tie.label}`: {tie.mean:,.0f} tokens/s, peak {format_bytes(tie.peak_memory_bytes or 0)}")
+        lines.append(f"\n- tie: `{tie.label}`: {tie.mean:,.0f} tokens/s, peak "
+                     f"{format_bytes(tie.peak_memory_bytes or 0)}")
     for role, ref in verdict.references.items():
         name = role.value.replace('_', ' ')
         if ref.config == w.config:

@@ -91,7 +91,8 @@ def estimates_json(rows: list[dict[str, Any]], header: dict[str, Any], margin: M
                                                 **({"unknown": "no configuration of the group could be estimated"}
                                                    if m is None else {})}
                                                for g, m in sorted(largest.items())],
-                       "estimate_failures": [{"cause": cause, "configurations": n} for cause, n in failure_causes(rows)]},
+                       "estimate_failures": [{"cause": cause, "configurations": n} for cause,
+                                             n in failure_causes(rows)]},
                       indent=2)
 
 
@@ -110,6 +111,7 @@ def estimates_table(rows: list[dict[str, Any]]) -> str:
     largest = format_table(["sharding", "checkpointing", "precision", "micro batch"],
                            [[g[0], g[1], g[2], largest_cell(m)] for g, m in sorted(largest_micro_batch(rows).items())],
                            right=(3,))
-    failures = [f"Not estimated ({n} configuration{'s' if n > 1 else ''}): {cause}" for cause, n in failure_causes(rows)]
+    failures = [f"Not estimated ({n} configuration{'s' if n > 1 else ''}): {cause}" for cause,
+                n in failure_causes(rows)]
     return "\n".join([table, *([""] + failures if failures else []), "",
                       "Largest micro batch that fits, among the configurations estimated:", largest])

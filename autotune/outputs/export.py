@@ -102,7 +102,8 @@ def _confirmation(study: Any, cfg: FsdpConfig, single: float | None) -> dict[str
             "rounds": winner.rounds, "values": list(winner.values), "mean": winner.mean, "ci95": list(winner.ci95),
             "ties": [{"label": t.label, "config": t.config, "mean": t.mean, "ci95": list(t.ci95),
                       "peak_memory_bytes": t.peak_memory_bytes, "ratio_to_winner": ratio(t)} for t in verdict.ties],
-            "references": {role.value: {"label": r.label, "mean": r.mean, "ci95": list(r.ci95), "ratio_to_winner": ratio(r)}
+            "references": {role.value: {"label": r.label, "mean": r.mean, "ci95": list(r.ci95),
+                                        "ratio_to_winner": ratio(r)}
                            for role, r in verdict.references.items()},
         },
     }

@@ -25,8 +25,8 @@ def _common_notes(cfg: FsdpConfig, target: str, device: str | None = None) -> li
     notes = []
     if device == "cpu":
         # Measured with accelerate 1.15 and transformers 5.25 (tests/test_consumers_train.py).
-        notes.append(f"device=cpu: {target} applies FSDP on GPUs and other accelerators only; on a CPU host it "
-                     "trains unsharded replicas with these settings unused; the python export's apply_fsdp shards on CPU")
+        notes.append(f"device=cpu: {target} applies FSDP on GPUs and other accelerators only; on a CPU host it trains "
+                     "unsharded replicas with these settings unused; the python export's apply_fsdp shards on CPU")
     if cfg.is_hybrid and cfg.shard_group_size is not None:
         notes.append(f"shard_group_size={cfg.shard_group_size}: {target} shards hybrid strategies within a node; "
                      f"build the (replicate, shard) device mesh with shard groups of {cfg.shard_group_size} ranks "
@@ -90,22 +90,7 @@ def to_accelerate(doc: dict[str, Any]) -> tuple[str, list[str]]:
         fsdp["fsdp_transformer_layer_cls_to_wrap"] = ",".join(cfg.transformer_layer_cls)
     if cfg.auto_wrap_policy == "size_based":
         fsdp["fsdp_min_num_params"] = cfg.min_num_params
-    if cfg.fsdp_version == 1:
-        fsdp["fsdp_sharding_strategy"] = cfg.sharding_strategy
-        fsdp["fsdp_backward_prefetch"] = "NO_PREFETCH" if cfg.backward_prefetch == "none" else cfg.backward_prefetch
-        fsdp["fsdp_forward_prefetch"] = cfg.forward_prefetch
-        fsdp["fsdp_use_orig_params"] = True
-        if not cfg.limit_all_gathers:
-            notes.append("limit_all_gathers=false: accelerate's config file has no key for it (its default is true); "
-                         "pass limit_all_gathers=False to FullyShardedDataParallelPlugin in code")
-    else:
-        fsdp["fsdp_reshard_after_forward"] = bool(cfg.reshard_after_forward)
-        if cfg.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
-            notes.append(f"sharding_strategy={cfg.sharding_strategy} with FSDP2: accelerate's FSDP2 config shards "
-                         "over one mesh dimension only; exported as reshard_after_forward, which is not the same")
-        if cfg.forward_prefetch:
-            notes.append("forward_prefetch=true with FSDP2: accelerate's FSDP2 config has no forward prefetch key; "
-                         "dropped (call set_modules_to_forward_prefetch in code)")
+    fsdp.update(_accelerate_version_keys(cfg, notes))
     data = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",
@@ -124,11 +109,32 @@ def to_accelerate(doc: dict[str, Any]) -> tuple[str, list[str]]:
         data["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
     steps = doc.get("gradient_accumulation_steps", 1)
     if steps > 1:
-        notes.append(f"gradient_accumulation_steps={steps}: accelerate's config file has no key for it outside DeepSpeed; "
-                     f"pass Accelerator(gradient_accumulation_steps={steps}) (or set ACCELERATE_GRADIENT_ACCUMULATION_STEPS)")
-    header = _comment_block("#", doc, notes, [f"Micro batch size per process: {cfg.micro_batch_size} (set it in your data loader).",
-                                              f"Gradient accumulation steps: {steps} (global batch {doc.get('global_batch_size')})."])
+        notes.append(f"gradient_accumulation_steps={steps}: accelerate's config file has no key for it outside "
+                     f"DeepSpeed; pass Accelerator(gradient_accumulation_steps={steps}) (or set "
+                     "ACCELERATE_GRADIENT_ACCUMULATION_STEPS)")
+    header = _comment_block("#", doc, notes, [f"Micro batch size per process: {cfg.micro_batch_size} (set it in your "
+                                              "data loader).",
+                                              f"Gradient accumulation steps: {steps} (global batch "
+                                              f"{doc.get('global_batch_size')})."])
     return header + yaml.safe_dump(data, sort_keys=True), notes
+
+
+def _accelerate_version_keys(cfg: FsdpConfig, notes: list[str]) -> dict[str, Any]:
+    """accelerate's keys for FSDP1's own options, or FSDP2's, with the notes on what they cannot say."""
+    if cfg.fsdp_version == 1:
+        if not cfg.limit_all_gathers:
+            notes.append("limit_all_gathers=false: accelerate's config file has no key for it (its default is true); "
+                         "pass limit_all_gathers=False to FullyShardedDataParallelPlugin in code")
+        return {"fsdp_sharding_strategy": cfg.sharding_strategy, "fsdp_forward_prefetch": cfg.forward_prefetch,
+                "fsdp_backward_prefetch": "NO_PREFETCH" if cfg.backward_prefetch == "none" else cfg.backward_prefetch,
+                "fsdp_use_orig_params": True}
+    if cfg.sharding_strategy in ("NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        notes.append(f"sharding_strategy={cfg.sharding_strategy} with FSDP2: accelerate's FSDP2 config shards "
+                     "over one mesh dimension only; exported as reshard_after_forward, which is not the same")
+    if cfg.forward_prefetch:
+        notes.append("forward_prefetch=true with FSDP2: accelerate's FSDP2 config has no forward prefetch key; "
+                     "dropped (call set_modules_to_forward_prefetch in code)")
+    return {"fsdp_reshard_after_forward": bool(cfg.reshard_after_forward)}
 
 
 def to_hf(doc: dict[str, Any]) -> tuple[str, list[str]]:
@@ -190,9 +196,11 @@ def _torchtitan_common(doc: dict[str, Any], notes: list[str]) -> tuple[FsdpConfi
                          "another workload than torchtitan runs")
     if cfg.fsdp_version == 1:
         notes.append("fsdp_version=1: torchtitan always uses FSDP2 (fully_shard); FSDP1-only choices "
-                     f"(backward_prefetch={cfg.backward_prefetch}, limit_all_gathers={str(cfg.limit_all_gathers).lower()}) do not apply")
+                     f"(backward_prefetch={cfg.backward_prefetch}, "
+                     f"limit_all_gathers={str(cfg.limit_all_gathers).lower()}) do not apply")
     if cfg.auto_wrap_policy != "transformer_layer":
-        notes.append(f"auto_wrap_policy={cfg.auto_wrap_policy}: torchtitan shards each transformer block; not expressible")
+        notes.append(f"auto_wrap_policy={cfg.auto_wrap_policy}: torchtitan shards each transformer block; not "
+                     "expressible")
     if cfg.forward_prefetch:
         notes.append("forward_prefetch=true: torchtitan has no forward prefetch option; dropped")
     if cfg.mixed_precision == "fp16":
@@ -216,7 +224,8 @@ def to_torchtitan(doc: dict[str, Any]) -> tuple[str, list[str]]:
     notes: list[str] = []
     cfg, shard, replicate, param, reduce = _torchtitan_common(doc, notes)
     world = doc["measured"]["world_size"]
-    ac = {"none": "none", "full": "full", "selective": "selective", "every_other_layer": "full"}[cfg.activation_checkpointing]
+    ac = {"none": "none", "full": "full", "selective": "selective",
+          "every_other_layer": "full"}[cfg.activation_checkpointing]
     if cfg.activation_checkpointing == "every_other_layer":
         notes.append("activation_checkpointing=every_other_layer: torchtitan 0.3 checkpoints every block or none "
                      "(its per-layer option is gone); exported as full, which needs no more memory and runs slower")
@@ -303,22 +312,23 @@ def to_python(doc: dict[str, Any]) -> tuple[str, list[str]]:
     notes = _lora_notes(doc, "apply_fsdp", "wrap the model with peft.get_peft_model(model, LoraConfig(...)) before "
                         "apply_fsdp, as the trial did")
     if cfg.is_hybrid and cfg.shard_group_size is None:
-        notes.append(f"sharding_strategy={cfg.sharding_strategy} with one node's ranks per shard group: pass the number "
-                     "of nodes as apply_fsdp(..., nnodes=N)")
+        notes.append(f"sharding_strategy={cfg.sharding_strategy} with one node's ranks per shard group: pass the "
+                     "number of nodes as apply_fsdp(..., nnodes=N)")
     usage = [
         "Use it inside an initialized process group (torchrun):",
         "    from fsdp_config import apply_fsdp, grad_scaler",
         "    model = apply_fsdp(model)      # then build the optimizer from model.parameters()",
         "    scaler = grad_scaler()         # fp16 only, else None",
-        f"Accumulate {doc.get('gradient_accumulation_steps', 1)} micro batch(es) of {cfg.micro_batch_size} per optimizer step "
-        "(GRADIENT_ACCUMULATION_STEPS), syncing on the last: gradient_sync(model, enabled=last).",
+        f"Accumulate {doc.get('gradient_accumulation_steps', 1)} micro batch(es) of {cfg.micro_batch_size} per "
+        "optimizer step (GRADIENT_ACCUMULATION_STEPS), syncing on the last: gradient_sync(model, enabled=last).",
         "A model built on the meta device is given storage shard by shard, as the trial did;",
         "a model with real weights on the host is sharded first and only each shard moves to the device.",
     ]
     header = _comment_block("#", doc, notes, usage)
     source = files("autotune.worker").joinpath("fsdp.py").read_text()
     literal = "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(cfg.to_dict().items())) + "}"
-    tail = _PYTHON_TAIL.replace("__CONFIG__", literal).replace("__ACCUM__", str(doc.get("gradient_accumulation_steps", 1)))
+    tail = _PYTHON_TAIL.replace("__CONFIG__", literal).replace("__ACCUM__", str(doc.get("gradient_accumulation_steps",
+                                                                                        1)))
     return header + source + tail, notes
 
 
@@ -326,8 +336,9 @@ def _comment_block(mark: str, doc: dict[str, Any], notes: list[str], extra: Sequ
     measured = doc.get("measured", {})
     lines = [
         f"Exported by autotune from study {doc['study']['name']!r}, trial {doc['study']['trial_number']}:",
-        f"{measured.get('tokens_per_s', 0):,.0f} tokens/s, peak {measured.get('peak_memory_bytes', 0) / 2**30:.3g} GiB per rank "
-        f"on {measured.get('world_size')} x {measured.get('device')}, model {doc.get('model')}, seq len {doc.get('seq_len')}.",
+        f"{measured.get('tokens_per_s', 0):,.0f} tokens/s, peak {measured.get('peak_memory_bytes', 0) / 2**30:.3g} GiB "
+        f"per rank on {measured.get('world_size')} x {measured.get('device')}, model {doc.get('model')}, seq len "
+        f"{doc.get('seq_len')}.",
     ]
     lines += list(extra)
     lines += [f"NOT EXPRESSIBLE HERE: {note}" for note in notes]

@@ -53,12 +53,14 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    for feasible, color, name in ((True, FEASIBLE, "fits the budget"), (False, INFEASIBLE, "over budget / out of memory")):
+    for feasible, color, name in ((True, FEASIBLE, "fits the budget"), (False, INFEASIBLE, "over budget / out of "
+                                                                                           "memory")):
         group = [t for t in trials if is_feasible(t) == feasible and t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
         fig.add_trace(go.Scatter(
             x=[t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30 for t in group], y=[t.value for t in group],
             mode="markers", name=name, marker={"color": color, "size": 9},
-            text=[f"#{t.number} {t.user_attrs.get(Attr.LABEL)}{EXTRAPOLATED_NOTE if is_extrapolated(t) else ''}" for t in group],
+            text=[f"#{t.number} {t.user_attrs.get(Attr.LABEL)}{EXTRAPOLATED_NOTE if is_extrapolated(t) else ''}"
+                  for t in group],
             hovertemplate="%{text}<br>%{y:,.0f} tok/s, %{x:.3g} GiB<extra></extra>",
         ))
     front = pareto_front([(t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30, value_of(t), t.number)
@@ -75,7 +77,8 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
         fig.add_vline(x=at, line_dash="dash", line_color="black")
         # On a log axis plotly places a shape in data units but an annotation in log10 units: add_vline's own label
         # sat at 10^at GiB, and the autorange stretched to 10^18 GiB to show it (the points in its first twentieth).
-        fig.add_annotation(x=math.log10(at) if log_axis else at, y=1, yref="paper", text=f"budget {format_bytes(budget)}",
+        fig.add_annotation(x=math.log10(at) if log_axis else at, y=1, yref="paper", text="budget "
+                                                                                         f"{format_bytes(budget)}",
                            showarrow=False, xanchor="right", yanchor="bottom")
     if log_axis and budget:
         fig.update_xaxes(type="log", range=log_range([p / 2**30 for p in peaks] + [budget / 2**30]))
@@ -98,7 +101,8 @@ def history_figure(study: optuna.Study):
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=[t.number for t in trials], y=[t.value for t in trials], mode="markers", name="trial",
                              marker={"color": [FEASIBLE if is_feasible(t) else INFEASIBLE for t in trials]}))
-    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="best feasible so far", line={"shape": "hv", "color": "#d62728"}))
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="best feasible so far", line={"shape": "hv",
+                                                                                          "color": "#d62728"}))
     fig.update_layout(title="Optimization history", xaxis_title="trial", yaxis_title="tokens/s")
     return fig
 
@@ -181,7 +185,8 @@ def excluded_table(excluded: dict | None):
         return None
     rows = excluded["examples"]
     fig = go.Figure(go.Table(header={"values": ["configuration", "why it was never launched"], "align": "left"},
-                             cells={"values": [[r["label"] for r in rows], [r["reason"] for r in rows]], "align": "left"},
+                             cells={"values": [[r["label"] for r in rows], [r["reason"] for r in rows]],
+                                    "align": "left"},
                              columnwidth=[5, 7]))
     fig.update_layout(title=f"Ruled out before launch: {excluded['count']} configurations"
                             + (f" (the first {len(rows)} shown)" if excluded["count"] > len(rows) else ""),
@@ -208,8 +213,8 @@ def build_report(study: optuna.Study) -> str:
     infeasible = sum(1 for t in trials if not is_feasible(t))
     summary = (
         f"{len(study.trials)} trials: {counts['complete']} complete ({infeasible} of them over budget), "
-        f"{counts['pruned']} pruned, {counts['fail']} failed. Budget {study.user_attrs.get(StudyAttr.BUDGET, '?')} per rank. "
-        f"Constraint: {CONSTRAINT_KEY} = peak memory - budget."
+        f"{counts['pruned']} pruned, {counts['fail']} failed. Budget {study.user_attrs.get(StudyAttr.BUDGET, '?')} per "
+        f"rank. Constraint: {CONSTRAINT_KEY} = peak memory - budget."
     )
     note = f"<p><em>{html.escape(importance_note)}</em></p>" if importance_note else ""
     return (

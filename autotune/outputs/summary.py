@@ -6,10 +6,12 @@ from pathlib import Path
 
 from optuna.trial import TrialState
 
+from autotune.config import DIMENSIONS, FsdpConfig
 from autotune.outputs.export import build_export, write_export
 from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
 from autotune.study.settings import RunSettings
+from autotune.study.space import SearchSpace
 from autotune.study.record import (
     Attr, Cause, StudyAttr, crash_signature, first_line, is_confirmation, is_extrapolated, is_feasible, winner,
 )  # fmt: skip
@@ -41,6 +43,7 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
     print(
         f"Study {study.study_name}: {counts.launched} trials launched in {run.elapsed_s:.0f}s this run"
         + (f" (and {counts.confirmed} confirmation trials)" if counts.confirmed else "")
+        + (f" (and {counts.references} reference outside the space)" if counts.references else "")
         + f", {counts.pruned} pruned before launch, {counts.reused} reused earlier measurements, "
         f"{counts.aborted} stopped early, {counts.failed} failed; {len(trials)} trials in the study."
     )
@@ -48,8 +51,9 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
     if settings.search.use_estimate:
         plan = run.plan
         print(f"The memory estimate ruled out {excluded + counts.predicted_over} configurations before launch"
-              + (f", from {plan.fake_steps} fake steps ({plan.fake_step_s:.0f}s of work, {plan.estimate_wait_s:.0f}s of "
-                 f"it waited for) and the memory order of {plan.judged_free} more" if plan.fake_steps else "") + ".")
+              + (f", from {plan.fake_steps} fake steps ({plan.fake_step_s:.0f}s of work, "
+                 f"{plan.estimate_wait_s:.0f}s of it waited for) and the memory order of {plan.judged_free} more"
+                 if plan.fake_steps else "") + ".")
     if run.stop_reason in STOP_REASONS:
         print(f"The search stopped because {STOP_REASONS[run.stop_reason]}.")
     best = winner(study)
@@ -62,6 +66,7 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
         print_verdict(verdict, settings)
     else:
         print_unconfirmed(best, trials, settings)
+    print_reference_outside_space(trials, verdict, best, settings)
     print_other_workload(study, settings)
     path = best_config_path(settings.study.storage_url, study.study_name)
     write_export(build_export(study, best, settings.study.storage_url), str(path))
@@ -83,7 +88,8 @@ def print_top(trials: list, settings: RunSettings) -> None:
 
     rows = [
         [t.number, f"{mark(t)}{t.value:,.0f}",
-         f"{mark(t)}{format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES])}" if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES) else "-",
+         (f"{mark(t)}{format_bytes(t.user_attrs[Attr.PEAK_MEMORY_BYTES])}"
+          if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES) else "-"),
          t.user_attrs.get(Attr.LABEL)]
         for t in top[:TOP_N]
     ]
@@ -92,14 +98,16 @@ def print_top(trials: list, settings: RunSettings) -> None:
     print(format_table(["#", "tokens/s", "peak", "configuration"], rows, right=(0, 1, 2)))
     shallow = next((t for t in top[:TOP_N] if is_extrapolated(t)), None)
     if shallow is not None:
-        print(f"  ~ extrapolated: tokens/s from shallow copies of {' and '.join(str(p['depth']) for p in shallow.user_attrs[Attr.DEPTH_POINTS])} "
-              f"blocks extended to the model's {shallow.user_attrs[Attr.FULL_DEPTH]}, peak from the full-depth memory estimate")
+        print("  ~ extrapolated: tokens/s from shallow copies of "
+              f"{' and '.join(str(p['depth']) for p in shallow.user_attrs[Attr.DEPTH_POINTS])} blocks extended to the "
+              f"model's {shallow.user_attrs[Attr.FULL_DEPTH]}, peak from the full-depth memory estimate")
 
 
 def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
     """The confirmation round: every finalist's mean with its CI, the winner, the ties, the references."""
     rows = [[f"{e.mean:,.0f}", _ci_text(e.ci95), format_bytes(e.peak_memory_bytes or 0), e.label,
-             f"slower: {_ratio_text(e.ratio_to_winner)} of the winner" if part == Part.SLOWER else part_text(part, roles)]
+             f"slower: {_ratio_text(e.ratio_to_winner)} of the winner" if part == Part.SLOWER else part_text(part,
+                                                                                                             roles)]
             for e, part, roles in verdict.parts()]
     print(f"\nConfirmation: {verdict.rounds} interleaved round(s) of fresh trials:")
     print(format_table(["mean tok/s", "95% CI", "peak", "configuration", "verdict"], rows, right=(0, 1, 2)))
@@ -107,8 +115,9 @@ def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
     w = verdict.winner
     print(f"\nBest (confirmed): {w.label}")
     print(f"  {w.mean:,.0f} tokens/s (95% CI {_ci_text(w.ci95)}, {w.rounds} rounds), peak "
-          f"{format_bytes(w.peak_memory_bytes or 0)} = {100 * (w.peak_memory_bytes or 0) / settings.study.budget_bytes:.1f}% "
-          f"of the {settings.study.budget_text} budget")
+          f"{format_bytes(w.peak_memory_bytes or 0)} = "
+          f"{100 * (w.peak_memory_bytes or 0) / settings.study.budget_bytes:.1f}% of the {settings.study.budget_text} "
+          "budget")
     for tie in verdict.ties:
         cheaper = " and needs less memory" if (tie.peak_memory_bytes or 0) < (w.peak_memory_bytes or 0) else ""
         print(f"  Tie{cheaper}: {tie.label}: {tie.mean:,.0f} tokens/s, peak {format_bytes(tie.peak_memory_bytes or 0)} "
@@ -154,6 +163,34 @@ def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
               f"{best.user_attrs[Attr.CONFIG]['micro_batch_size']})")
 
 
+def print_reference_outside_space(trials: list, verdict: Verdict | None, best, settings: RunSettings) -> None:
+    """The standard recipe when the space does not offer it: measured beside the answer, never exported; where
+    it beat everything the space holds, the choices the space leaves out that make the difference."""
+    reference = next((t for t in trials if t.user_attrs.get(Attr.OUTSIDE_SPACE) and t.state == TrialState.COMPLETE
+                      and t.value), None)
+    if reference is None:
+        return
+    recipe = FsdpConfig.from_dict(reference.user_attrs[Attr.CONFIG])
+    left_out = ", ".join(f"{name}={value}" for name, value in choices_not_offered(recipe, settings.study.space))
+    measured = verdict.references.get(Role.STANDARD_RECIPE) if verdict is not None else None
+    if verdict is not None and measured is not None and measured.ratio_to_winner is not None:
+        ratio, how = measured.ratio_to_winner.mean, f"in the same {verdict.rounds} rounds"
+    else:
+        ratio, how = reference.value / best.value, "one trial each"
+    if ratio > 1:
+        print(f"  The standard recipe, which the space does not offer, ran {ratio:.2f}x the answer ({how}): the space "
+              f"leaves out {left_out}; add that to the space to search around it. It is not exported as the answer.")
+    else:
+        print(f"  The standard recipe (not in the space: {left_out}) ran {ratio:.2f}x the answer ({how}).")
+
+
+def choices_not_offered(cfg: FsdpConfig, space: SearchSpace) -> list[tuple[str, object]]:
+    """``cfg``'s values that ``space`` does not offer (a dimension it leaves out offers only the default)."""
+    fields = cfg.to_dict()
+    return [(d.name, fields[d.name]) for d in DIMENSIONS if d.applies(fields) and fields[d.name] not in
+            space.choices.get(d.name, (getattr(FsdpConfig, d.name),))]
+
+
 def best_figures(study) -> tuple[dict, str, float, int] | None:
     """(configuration, label, tokens/s, peak) of a study's answer: the confirmed mean where a round ran."""
     verdict = read_verdict(study)
@@ -163,7 +200,8 @@ def best_figures(study) -> tuple[dict, str, float, int] | None:
     best = winner(study)
     if best is None:
         return None
-    return best.user_attrs[Attr.CONFIG], best.user_attrs.get(Attr.LABEL), best.value, best.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0)
+    attrs = best.user_attrs
+    return attrs[Attr.CONFIG], attrs.get(Attr.LABEL), best.value, attrs.get(Attr.PEAK_MEMORY_BYTES, 0)
 
 
 def print_other_workload(study, settings: RunSettings) -> None:
@@ -232,13 +270,14 @@ def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> st
     budget, text = settings.study.budget_bytes, settings.study.budget_text
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     peaks = [(t.user_attrs[Attr.PEAK_MEMORY_BYTES], t) for t in complete if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
-    failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) in (Cause.CRASH, Cause.TIMEOUT)]
+    failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) in (Cause.CRASH,
+                                                                                                   Cause.TIMEOUT)]
     if peaks:
         smallest, trial = min(peaks, key=lambda p: p[0])
         return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest peak seen was "
-                f"{format_bytes(smallest)} (trial #{trial.number}, {trial.user_attrs.get(Attr.LABEL)}). Raise --mem-budget, "
-                "or add memory-saving choices (FULL_SHARD, activation checkpointing, smaller micro_batch_size, "
-                "cpu_offload on GPUs) to the space.")
+                f"{format_bytes(smallest)} (trial #{trial.number}, {trial.user_attrs.get(Attr.LABEL)}). Raise "
+                "--mem-budget, or add memory-saving choices (FULL_SHARD, activation checkpointing, smaller "
+                "micro_batch_size, cpu_offload on GPUs) to the space.")
     if any(t.user_attrs.get(Attr.CAUSE) == Cause.OOM for t in complete):
         ooms = sum(t.user_attrs.get(Attr.CAUSE) == Cause.OOM for t in complete)
         return (f"No configuration fits in {text}: all {ooms} configurations that ran went out of memory. Add "
@@ -251,8 +290,8 @@ def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> st
         trial = min(predicted, key=lambda t: t.user_attrs[Attr.PREDICTED_DEVICE_PEAK_BYTES])
         return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest predicted peak was "
                 f"{format_bytes(trial.user_attrs[Attr.PREDICTED_DEVICE_PEAK_BYTES])} (trial #{trial.number}, "
-                f"{trial.user_attrs.get(Attr.LABEL)}), so nothing was launched. Raise --mem-budget, or add memory-saving "
-                "choices to the space; --no-estimate launches them anyway.")
+                f"{trial.user_attrs.get(Attr.LABEL)}), so nothing was launched. Raise --mem-budget, or add "
+                "memory-saving choices to the space; --no-estimate launches them anyway.")
     if plan.mbs_cap == 0 and plan.frugal is not None:
         cfg, peak = plan.frugal
         return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest predicted peak was "

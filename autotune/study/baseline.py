@@ -1,4 +1,5 @@
-"""The first trial: the standard recipe, the configuration most users would write by hand, measured before anything else."""
+"""The first trial: the standard recipe, the configuration most users would write by hand, measured before
+anything else."""
 
 from __future__ import annotations
 
@@ -35,10 +36,14 @@ def standard_recipe(host: HostInfo, layer_classes: tuple[str, ...], space: Searc
     return recipe.replace(micro_batch_size=(sure or likely or sizes)[0])
 
 
-def enqueue_baseline(study: optuna.Study, recipe: FsdpConfig) -> None:
+def enqueue_baseline(study: optuna.Study, recipe: FsdpConfig, in_space: bool = True) -> None:
     """Measure the standard recipe first: every later trial is compared with it,
-    and the early abort needs a best to compare against."""
-    study.enqueue_trial(as_params(recipe), user_attrs={Attr.BASELINE: True})
+    and the early abort needs a best to compare against. When the space does not
+    offer it, it is a reference: measured, never the answer, not one of --trials."""
+    attrs: dict[str, Any] = {Attr.BASELINE: True}
+    if not in_space:
+        attrs[Attr.OUTSIDE_SPACE] = True
+    study.enqueue_trial(as_params(recipe), user_attrs=attrs)
 
 
 def as_params(cfg: FsdpConfig) -> dict[str, Any]:

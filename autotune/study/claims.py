@@ -163,11 +163,14 @@ def settle_interrupted(study: optuna.Study, name: str) -> list[int]:
     retried = {t.user_attrs.get(Attr.RETRY_OF) for t in trials}
     settled = []
     for t in trials:
-        mine = t.user_attrs.get(Attr.RUNNER) == me or (t.state == TrialState.RUNNING and not t.user_attrs.get(Attr.RUNNER))
+        mine = t.user_attrs.get(Attr.RUNNER) == me or (t.state == TrialState.RUNNING
+                                                       and not t.user_attrs.get(Attr.RUNNER))
         if not mine:
             continue
         if t.state == TrialState.RUNNING:
-            fail(study, t, Cause.INTERRUPTED, f"the tuner was stopped by {name} during this trial; it was queued to run again")
+            fail(study, t, Cause.INTERRUPTED,
+                 f"the tuner was stopped by {name} during this trial; it was queued to run "
+                                              "again")
         elif not (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == Cause.INTERRUPTED):
             continue
         if t.number not in retried and trial_config(t) is not None:

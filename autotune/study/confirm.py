@@ -33,7 +33,7 @@ from autotune.stats import mean_ci95
 from autotune.study.baseline import as_params, standard_recipe
 from autotune.study.equivalence import Topology, canonical
 from autotune.study.record import (
-    Attr, config_key, is_confirmation, is_feasible, search_trials, trial_config, value_of,
+    Attr, answer_trials, config_key, is_confirmation, is_feasible, trial_config, value_of,
 )  # fmt: skip
 from autotune.study.space import SearchSpace
 from autotune.study.verdict import Ratio, Role, Verdict, VerdictEntry
@@ -55,7 +55,7 @@ def choose_finalists(study: optuna.Study) -> list[Any]:
     but those that failed when re-measured at full depth: the next one takes their place."""
     failed = {k for k in failed_at_full_depth(study)}
     best_per_key: dict[str, Any] = {}
-    for t in search_trials(study):
+    for t in answer_trials(study):
         key = config_key(t)
         if key is None or key in failed:
             continue
@@ -143,7 +143,8 @@ def rounds_held(study: optuna.Study, cfg: FsdpConfig, attempted: bool = False) -
         if not (measured or tried or t.state in (TrialState.WAITING, TrialState.RUNNING)):
             continue
         fixed = t.system_attrs.get("fixed_params")
-        cfg_t = trial_config(t) or (FsdpConfig(**fixed, transformer_layer_cls=cfg.transformer_layer_cls) if fixed else None)
+        cfg_t = trial_config(t) or (FsdpConfig(**fixed, transformer_layer_cls=cfg.transformer_layer_cls) if fixed
+                                    else None)
         if cfg_t is not None and cfg_t.key() == cfg.key():
             held.add(t.user_attrs[Attr.CONFIRMATION_ROUND])
     return held
@@ -157,7 +158,8 @@ def enqueue_rounds(study: optuna.Study, entries: list[Entry], rounds: int, attem
     for r in range(1, rounds + 1):
         for e in entries:
             if r not in held[e.cfg.key()]:
-                study.enqueue_trial(as_params(e.cfg), user_attrs={Attr.CONFIRMATION_ROUND: r, Attr.CONFIRMATION_ROLE: e.role.value})
+                study.enqueue_trial(as_params(e.cfg), user_attrs={Attr.CONFIRMATION_ROUND: r,
+                                                                  Attr.CONFIRMATION_ROLE: e.role.value})
                 queued += 1
     return queued
 
@@ -227,7 +229,8 @@ def paired_ratio(values: dict[int, float], winner: dict[int, float]) -> Ratio | 
     logs = [math.log(values[r] / winner[r]) for r in common]
     lo, hi = mean_ci95(logs)
     return Ratio(mean=math.exp(statistics.fmean(logs)), rounds=len(common),
-                 ci95=(_finite(math.exp(lo)) if lo > -math.inf else None, _finite(math.exp(hi)) if hi < math.inf else None))
+                 ci95=(_finite(math.exp(lo)) if lo > -math.inf else None, _finite(math.exp(hi)) if hi < math.inf
+                       else None))
 
 
 def _finite(x: float) -> float | None:

@@ -94,10 +94,10 @@ class FakeStepFigures:
         return [] if tried or self.known(cfg) is not None else [cfg.replace(compile=False)]
 
     def prefetch(self, configs: Iterable[FsdpConfig], workers: int, cores: tuple[int, ...] | None = None,
-                 quiet: str | None = None) -> None:
+                 timing_lock: str | None = None) -> None:
         """Run the fake steps ``configs`` need, ``workers`` at a time on ``cores``
-        (blocking); with ``quiet``, each holds that timing lock exclusively
-        (see :func:`autotune.launch.locks.quiet_lock_path`)."""
+        (blocking); with ``timing_lock``, each holds that timing lock exclusively
+        (see :func:`autotune.launch.locks.timing_lock_path`)."""
         if self.estimator is None:
             return
         steps = {memory_class(s) + str(s.micro_batch_size): s for c in configs for s in self.steps_needed(c)}
@@ -105,17 +105,17 @@ class FakeStepFigures:
             return
         start = time.perf_counter()
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            list(pool.map(lambda step: self._estimate(step, cores, quiet), steps.values()))
+            list(pool.map(lambda step: self._estimate(step, cores, timing_lock), steps.values()))
         if threading.current_thread() is threading.main_thread():
             self.waited_s += time.perf_counter() - start
 
-    def speculate(self, configs: list[FsdpConfig], cores: tuple[int, ...], quiet: str | None = None) -> None:
+    def speculate(self, configs: list[FsdpConfig], cores: tuple[int, ...], timing_lock: str | None = None) -> None:
         """:meth:`prefetch` in the background: one at a time on ``cores`` each, or one
-        at a time under the ``quiet`` lock; skipped while the last one runs."""
+        at a time under the ``timing_lock`` lock; skipped while the last one runs."""
         if self._background is not None and self._background.is_alive():
             return
         workers = len(cores) if cores else 1
-        self._background = threading.Thread(target=self.prefetch, args=(configs, workers, cores or None, quiet),
+        self._background = threading.Thread(target=self.prefetch, args=(configs, workers, cores or None, timing_lock),
                                             daemon=True)
         self._background.start()
 
@@ -125,7 +125,7 @@ class FakeStepFigures:
         if self._background is not None:
             self._background.join()
 
-    def _estimate(self, cfg: FsdpConfig, cores: tuple[int, ...] | None = None, quiet: str | None = None) -> None:
+    def _estimate(self, cfg: FsdpConfig, cores: tuple[int, ...] | None = None, timing_lock: str | None = None) -> None:
         slot = (memory_class(cfg), cfg.micro_batch_size)
         with self._lock:
             if cfg.micro_batch_size in self._known.get(slot[0], {}):
@@ -139,7 +139,7 @@ class FakeStepFigures:
         if self._stop.is_set() and threading.current_thread() is not threading.main_thread():
             self._finish(slot, {"error": "not estimated: the run is ending"}, record=False)
             return
-        with exclusive(Path(quiet)) if quiet else contextlib.nullcontext():
+        with exclusive(Path(timing_lock)) if timing_lock else contextlib.nullcontext():
             result = self.estimator.estimate(cfg.replace(compile=False), *([cores] if cores else []))
         self._finish(slot, result)
         if "error" not in result:

@@ -81,8 +81,8 @@ class Cores:
     idle: int = 1
     spare: tuple[int, ...] = ()
     # Without spare cores: the timing lock under which estimates share the
-    # trials' cores (see autotune.launch.locks.quiet_lock_path); None: no sharing.
-    quiet: str | None = None
+    # trials' cores (ExecutionSettings.timing_lock); None: no sharing.
+    timing_lock: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ class MemoryGate:
         self.say = say
         self.cores = cores or Cores()
         self.plan = GatePlan()
-        self.figures = FakeStepFigures(estimator, space.choices.get("micro_batch_size", (FsdpConfig.micro_batch_size,)), say)
+        self.figures = FakeStepFigures(estimator, space.choices.get("micro_batch_size",
+                                                                    (FsdpConfig.micro_batch_size,)), say)
         self.witnesses = Witnesses()
         self.model = PeakModel()
         self._seen_trials = -1
@@ -138,7 +139,8 @@ class MemoryGate:
         """Whether the rough model of the fake steps so far (:mod:`autotune.study.peak_model`)
         gives ``cfg`` under a 20% chance to fit: not worth a fake step before likelier ones."""
         self.model.fit(list(self.figures.points))
-        chance = self.model.chance_to_fit(cfg, int((self.budget_bytes - self.margin().fixed_bytes) / self.margin().factor))
+        chance = self.model.chance_to_fit(cfg,
+                                          int((self.budget_bytes - self.margin().fixed_bytes) / self.margin().factor))
         return chance is not None and chance < UNLIKELY
 
     def free_chance(self, cfg: FsdpConfig) -> tuple[float, str | None] | None:
@@ -152,8 +154,9 @@ class MemoryGate:
         if not self.plan.active:
             return FitVerdict(1.0)
         if self.plan.mbs_cap is not None and cfg.micro_batch_size > self.plan.mbs_cap:
-            return FitVerdict(0.0, f"micro_batch_size {cfg.micro_batch_size} is above {self.plan.mbs_cap or 'every choice'}, "
-                                "the largest that may fit even with the most frugal choices of the space")
+            cap = self.plan.mbs_cap or "every choice"
+            return FitVerdict(0.0, f"micro_batch_size {cfg.micro_batch_size} is above {cap}, the largest that may fit "
+                                   "even with the most frugal choices of the space")
         known = self.figures.known(cfg)
         if known is None:
             ordered = self.witnesses.judge(cfg)
@@ -177,7 +180,8 @@ class MemoryGate:
         if chance > 0.0:
             return FitVerdict(chance, None, prediction, device_peak)
         self.witnesses.over(cfg, f"predicted at {format_bytes(device_peak)}", measured=False)
-        return FitVerdict(0.0, f"predicted peak {format_bytes(device_peak)} ({method}, margin: {margin.source}) is over the "
+        return FitVerdict(0.0,
+                          f"predicted peak {format_bytes(device_peak)} ({method}, margin: {margin.source}) is over the "
                             f"budget {format_bytes(self.budget_bytes)}, even at the estimate's low side "
                             f"{format_bytes(margin.lowest(tensor, method))}", prediction, device_peak)
 
@@ -189,8 +193,8 @@ class MemoryGate:
     def speculate(self, configs: list[FsdpConfig]) -> None:
         """Make the fake steps ``configs`` need in the background (see :class:`Cores`):
         the search hands in what it may propose next, for its next proposal."""
-        if self.estimator is not None and (self.cores.spare or self.cores.quiet) and self.plan.active:
-            self.figures.speculate(configs, self.cores.spare, None if self.cores.spare else self.cores.quiet)
+        if self.estimator is not None and (self.cores.spare or self.cores.timing_lock) and self.plan.active:
+            self.figures.speculate(configs, self.cores.spare, None if self.cores.spare else self.cores.timing_lock)
 
     def _count_steps(self) -> None:
         self.plan.fake_steps, self.plan.fake_step_s = self.figures.steps, round(self.figures.seconds, 3)

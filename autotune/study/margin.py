@@ -93,7 +93,8 @@ def default_margin(device_type: str, outside_bytes: int | None = None) -> Margin
     if device_type == "cuda":
         fixed = CUDA_OUTSIDE_BYTES if outside_bytes is None else outside_bytes
         where = "default" if outside_bytes is None else "measured"
-        return Margin(CUDA_MARGIN_FACTOR, fixed, f"x{CUDA_MARGIN_FACTOR} + {fixed / 2**30:.2f} GiB outside the allocator ({where})")
+        return Margin(CUDA_MARGIN_FACTOR, fixed, f"x{CUDA_MARGIN_FACTOR} + {fixed / 2**30:.2f} GiB outside the "
+                                                 f"allocator ({where})")
     # On CPU the trial measures the same quantity the estimator predicts.
     return Margin(1.0, 0, "none (CPU trials measure tensor bytes too)")
 

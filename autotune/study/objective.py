@@ -64,8 +64,9 @@ class RunCounts:
     reused: int = 0
     failed: int = 0
     aborted: int = 0
-    # Launches of the confirmation round (not counted in ``launched``).
+    # Launches of the confirmation round, and of a reference outside the space (not counted in ``launched``).
     confirmed: int = 0
+    references: int = 0
     # Launches saved: configurations predicted over budget, never started.
     predicted_over: int = 0
     # Draws in a row that launched nothing.
@@ -122,7 +123,7 @@ def record_out_of_memory(trial: optuna.Trial, result: TrialResult, budget_bytes:
     return f"out of memory on rank {result.failed_rank}{under}{reached}: infeasible"
 
 
-def trial_request(settings: RunSettings, cfg: FsdpConfig, quiet_lock: str | None, abort_below: float | None,
+def trial_request(settings: RunSettings, cfg: FsdpConfig, abort_below: float | None,
                   depths: tuple[int, ...] = (), full_depth: int | None = None) -> TrialRequest:
     """The torchrun job of one trial of ``cfg``: the study's question, how to measure it, and its depths."""
     question, measure = settings.study, settings.measure
@@ -130,7 +131,8 @@ def trial_request(settings: RunSettings, cfg: FsdpConfig, quiet_lock: str | None
                         timed_steps=measure.timed_steps, timing_ci=measure.timing_ci,
                         timing_budget_s=measure.timing_budget_s, seed=settings.search.seed, nnodes=question.nnodes,
                         grad_accum_steps=settings.grad_accum_steps(cfg.micro_batch_size),
-                        memory_budget_bytes=question.budget_bytes, quiet_lock=quiet_lock, lora=question.lora,
+                        memory_budget_bytes=question.budget_bytes, timing_lock=settings.execution.timing_lock,
+                        lora=question.lora,
                         depths=depths, full_depth=full_depth if depths else None, abort_below_tokens_per_s=abort_below)
 
 
@@ -183,7 +185,8 @@ class Objective:
             # Optuna marks the trial FAIL and re-raises.
             name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
             trial.set_user_attr(Attr.CAUSE, Cause.INTERRUPTED)
-            trial.set_user_attr(Attr.ERROR, f"the tuner was stopped by {name} during this trial; it was queued to run again")
+            trial.set_user_attr(Attr.ERROR, f"the tuner was stopped by {name} during this trial; it was queued to run "
+                                            "again")
             raise
 
     def _run(self, trial: optuna.Trial) -> float:
@@ -207,14 +210,14 @@ class Objective:
         previous = self.claims.claim(trial, cfg, on_wait)
         if previous is not None:
             return self._reuse(trial, cfg, previous)
-        self._tally(launched=1, idle=False)
+        self._tally(**{"references" if trial.user_attrs.get(Attr.OUTSIDE_SPACE) else "launched": 1}, idle=False)
         return self._launch(trial, cfg)
 
     def _draw(self, trial: optuna.Trial) -> FsdpConfig:
         with self._lock:
             # Proposing and recording the proposal are one step: slots run in threads.
-            cfg = draw(trial, self.study, self.settings.study.space, self.model.layer_classes, self.search, self.sampler,
-                       self.topology)
+            cfg = draw(trial, self.study, self.settings.study.space, self.model.layer_classes, self.search,
+                       self.sampler, self.topology)
         trial.set_user_attr(Attr.LABEL, cfg.describe())
         trial.set_user_attr(Attr.RUNNER, runner_identity())
         return cfg
@@ -234,8 +237,8 @@ class Objective:
         best = self.best_value()
         # The confirmation rounds measure the model as it is: the verdict is full depth's.
         depths = () if Attr.CONFIRMATION_ROUND in trial.user_attrs else self.depth.depths_for(cfg, trial)
-        request = trial_request(self.settings, cfg, self.gate.cores.quiet, best / ABORT_FACTOR if best and abort else None,
-                                depths, self.depth.plan.full_depth)
+        abort_below = best / ABORT_FACTOR if best and abort else None
+        request = trial_request(self.settings, cfg, abort_below, depths, self.depth.plan.full_depth)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)
         # Every trial holds its devices: other tuners on this host wait their turn.
@@ -269,8 +272,8 @@ class Objective:
             return _tokens_per_s(result)
         if result.status == Status.ABORTED:
             self._tally(aborted=1)
-            reason = (f"hopeless: {result.tokens_per_s:,.0f} tok/s over the first timed steps, under 1/{ABORT_FACTOR:g} "
-                      f"of the best {best:,.0f}")
+            reason = (f"hopeless: {result.tokens_per_s:,.0f} tok/s over the first timed steps, "
+                      f"under 1/{ABORT_FACTOR:g} of the best {best:,.0f}")
             trial.set_user_attr(Attr.ABORTED, True)
             trial.set_user_attr(Attr.TOKENS_PER_S_PARTIAL, result.tokens_per_s)
             trial.set_user_attr(Attr.PRUNE_REASON, reason)
@@ -283,7 +286,8 @@ class Objective:
             return 0.0
         self._tally(failed=1)
         write_failure(trial, result, Cause.of(result.status))
-        self._line(trial, cfg, f"FAILED ({result.status}): {first_line(result.error)} [log: {trial.user_attrs[Attr.LOG_PATH]}]")
+        self._line(trial, cfg, f"FAILED ({result.status}): {first_line(result.error)} [log: "
+                               f"{trial.user_attrs[Attr.LOG_PATH]}]")
         raise TrialFailed(f"{result.status}: {result.error}")
 
     def _note_crash(self, trial: optuna.Trial, result: TrialResult) -> None:
@@ -291,18 +295,17 @@ class Objective:
             self.counts.note_launch(result, trial.user_attrs[Attr.LOG_PATH])
 
     def best_value(self) -> float | None:
-        best = best_search_trial(self.study)
+        # Hopelessness is judged against the fastest configuration measured, a reference outside the space too.
+        best = best_search_trial(self.study, answers_only=False)
         return best.value if best is not None else None
 
-    def _tally(self, launched: int = 0, pruned: int = 0, reused: int = 0, failed: int = 0, aborted: int = 0,
-               confirmed: int = 0, predicted_over: int = 0, idle: bool | None = None) -> None:
+    def _tally(self, idle: bool | None = None, **added: int) -> None:
         """Add to this run's counts (slots run in threads); ``idle``: whether the draw launched nothing."""
         with self._lock:
-            c = self.counts
-            c.launched, c.pruned, c.reused, c.failed = c.launched + launched, c.pruned + pruned, c.reused + reused, c.failed + failed
-            c.aborted, c.confirmed, c.predicted_over = c.aborted + aborted, c.confirmed + confirmed, c.predicted_over + predicted_over
+            for name, amount in added.items():
+                setattr(self.counts, name, getattr(self.counts, name) + amount)
             if idle is not None:
-                c.idle_draws = c.idle_draws + 1 if idle else 0
+                self.counts.idle_draws = self.counts.idle_draws + 1 if idle else 0
 
     def _line(self, trial: optuna.Trial, cfg: FsdpConfig, text: str) -> None:
         self.reporter.trial(trial.number, cfg.describe(), text, self.counts.launched, self.best_value())

@@ -28,7 +28,8 @@ class PlannedSampler(optuna.samplers.BaseSampler):
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, Any]) -> dict[str, Any]:
         return {}
 
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: Any) -> Any:
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: Any) -> Any:
         plan = self._plans.get(trial.number)
         if plan is None or param_name not in plan:
             return self._fallback.sample_independent(study, trial, param_name, param_distribution)

@@ -37,6 +37,9 @@ class Attr:
     LABEL = "label"  # FsdpConfig.describe()
     DRAWN_AS = "drawn_as"  # the label drawn, when it names the same program as CONFIG less simply
     BASELINE = "baseline"  # True on the first trial: the standard recipe
+    # True on the standard recipe's trial when the space does not offer it: measured beside the answer, never
+    # the answer, and not one of the run's --trials.
+    OUTSIDE_SPACE = "outside_space"
     RETRY_OF = "retry_of"  # number of the trial this one retries
     # Who ran it.
     RUNNER = "runner"  # {"host", "pid", "start"} of the tuner process
@@ -79,7 +82,8 @@ class Attr:
     PEAK_MEMORY_BYTES = "peak_memory_bytes"  # the largest rank's peak: what it held of the device
     PEAK_MEMORY_GIB = "peak_memory_gib"
     TENSOR_PEAK_BYTES = "tensor_peak_bytes"  # the largest rank's tensor bytes (CUDA: allocated), what estimates predict
-    OUTSIDE_ALLOCATOR_BYTES = "outside_allocator_bytes"  # CUDA: the most device memory a rank held outside the allocator
+    # CUDA: the most device memory a rank held outside the allocator
+    OUTSIDE_ALLOCATOR_BYTES = "outside_allocator_bytes"
     MEMORY_CAP_BYTES = "memory_cap_bytes"  # CUDA: what each rank's caching allocator was capped at
     ALLOC_RETRIES = "alloc_retries"  # CUDA: the most times a rank's allocator freed its cache and retried
     ALLOCATOR_CONF = "allocator_conf"  # PYTORCH_CUDA_ALLOC_CONF the trial ran with
@@ -148,7 +152,8 @@ class StudyAttr:
 NOT_REUSED = (Attr.CONFIG, Attr.LABEL, Attr.BASELINE, Attr.RUNNER, Attr.CLAIMED, Attr.STARTED_AT, Attr.ENDED_AT,
               Attr.DEVICES, Attr.WALL_S, Attr.RETRY_OF, Attr.CONFIRMATION_ROUND, Attr.CONFIRMATION_ROLE)
 # Copied from a TrialResult onto a measured trial.
-MEASURED = (Attr.NNODES, Attr.NPROC_PER_NODE, Attr.MESH_SHAPE, Attr.TOKENS_PER_S, Attr.STEP_TIME_MEDIAN_S, Attr.STEP_TIME_P10_S, Attr.STEP_TIME_P90_S, Attr.STEP_TIME_CV,
+MEASURED = (Attr.NNODES, Attr.NPROC_PER_NODE, Attr.MESH_SHAPE, Attr.TOKENS_PER_S, Attr.STEP_TIME_MEDIAN_S,
+            Attr.STEP_TIME_P10_S, Attr.STEP_TIME_P90_S, Attr.STEP_TIME_CV,
             Attr.TOKENS_PER_S_CI_LOW, Attr.TOKENS_PER_S_CI_HIGH,
             Attr.TIMED_STEPS, Attr.SKIPPED_STEPS, Attr.LOSS_FIRST, Attr.LOSS_LAST, Attr.MEMORY_METHOD, Attr.WORLD_SIZE,
             Attr.DEVICE, Attr.DEVICE_NAME, Attr.TORCH_VERSION, Attr.TRANSFORMERS_VERSION, Attr.NUM_PARAMS,
@@ -179,9 +184,16 @@ def winner(study: Any) -> Any | None:
     return best_search_trial(study)
 
 
-def best_search_trial(study: Any) -> Any | None:
-    """The fastest feasible trial of the search (a single measurement)."""
-    feasible = [t for t in search_trials(study) if is_feasible(t)]
+def answer_trials(study: Any) -> list:
+    """Search trials whose configuration the space offers: what may be the answer (a reference outside the
+    space is measured beside it)."""
+    return [t for t in search_trials(study) if not t.user_attrs.get(Attr.OUTSIDE_SPACE)]
+
+
+def best_search_trial(study: Any, answers_only: bool = True) -> Any | None:
+    """The fastest feasible trial of the search (a single measurement) among those the space offers; with
+    ``answers_only`` off, a reference outside the space too."""
+    feasible = [t for t in (answer_trials(study) if answers_only else search_trials(study)) if is_feasible(t)]
     return max(feasible, key=lambda t: t.value) if feasible else None
 
 

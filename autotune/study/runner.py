@@ -22,7 +22,6 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune import interrupts
 from autotune.launch.devices import cpu_cores
 from autotune.launch.estimator_client import MAX_SIDE_BY_SIDE
-from autotune.launch.locks import quiet_lock_path
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.host import HostInfo, ModelInfo, host_incompatibility
 from autotune.launch.launcher import launch_trial
@@ -34,7 +33,7 @@ from autotune.study.baseline import as_params, enqueue_baseline, standard_recipe
 from autotune.study.equivalence import canonical
 from autotune.study.claims import Claims, recover_stale_trials, settle_interrupted
 from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate
-from autotune.study.settings import RunSettings, check_resumable, load_or_create_study, make_sampler
+from autotune.study.settings import RunSettings, checked_for_resume, load_or_create_study, make_sampler
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed, topology_of
 from autotune.study.record import StudyAttr, is_extrapolated, search_trials
 from autotune.study.confirm import MAX_FINALISTS
@@ -86,12 +85,13 @@ def torchrun_launch(settings: RunSettings, host: HostInfo, forks: ForkServer | N
 
     def launch(request, trial_dir, slot):
         if settings.execution.launcher == "slurm":
-            return launch_slurm(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s, host.device_type)
+            return launch_slurm(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s,
+                                host.device_type)
         if settings.study.nnodes > 1:
-            return launch_local(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s, host.device_type,
-                                devices=slot, forks=forks)
-        return launch_trial(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s, host.device_type,
-                            devices=slot, forks=forks)
+            return launch_local(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s,
+                                host.device_type, devices=slot, forks=forks)
+        return launch_trial(request, trial_dir, settings.study.nproc, settings.execution.trial_timeout_s,
+                            host.device_type, devices=slot, forks=forks)
 
     return launch
 
@@ -116,7 +116,7 @@ def run_study(
     ``settings.study.storage_url``. ``on_trial_complete`` runs after every measured
     trial (the dashboard note), and never stops the run.
     """
-    check_resumable(settings)
+    settings = checked_for_resume(settings)
     # Optuna logs every caught trial failure with its traceback; the tuner
     # reports each failure itself, on one line, with the log's path.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -139,7 +139,8 @@ def run_study(
         interrupted = exc if isinstance(exc, interrupts.Interrupted) else interrupts.Interrupted(signal.SIGINT)
         settled = settle_interrupted(parts.study, interrupted.name)
         parts.reporter.say(f"Stopped by {interrupted.name}" + (f"; trial(s) {', '.join(f'#{n}' for n in settled)} "
-                                                                "recorded as interrupted and queued to run again" if settled else ""))
+                                                                "recorded as interrupted and queued to run again"
+                                                               if settled else ""))
     finally:
         parts.reporter.close_bar()
         parts.gate.close()
@@ -165,8 +166,9 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     if settings.search.use_estimate and estimator is None:
         from autotune.launch.estimator_client import EstimatorClient
 
-        estimator = EstimatorClient(settings.study.model, settings.world_size, settings.study.nnodes, settings.study.seq_len,
-                                    timeout_s=settings.execution.trial_timeout_s, global_batch_size=settings.study.global_batch_size,
+        estimator = EstimatorClient(settings.study.model, settings.world_size, settings.study.nnodes,
+                                    settings.study.seq_len, timeout_s=settings.execution.trial_timeout_s,
+                                    global_batch_size=settings.study.global_batch_size,
                                     forks=forks, lora=settings.study.lora)
     gate = MemoryGate(study, settings.study.space, model.layer_classes, settings.study.budget_bytes, host.device_type,
                       estimator if settings.search.use_estimate else None, reporter.say, estimate_cores(settings, host))
@@ -224,13 +226,14 @@ def estimate_cores(settings: RunSettings, host: HostInfo) -> Cores:
     keep about one core each busy, and the tuner itself one more."""
     cores = sorted(os.sched_getaffinity(0))
     if host.device_type == "cpu":
-        used = set().union(*(cpu_cores(slot) for slot in settings.execution.slots)) if settings.execution.slots else set(cores)
+        used = set().union(*(cpu_cores(slot)
+                             for slot in settings.execution.slots)) if settings.execution.slots else set(cores)
         spare = tuple(c for c in cores if c not in used)
     else:
         busy = settings.world_size // settings.study.nnodes * max(1, len(settings.execution.slots)) + 1
         spare = tuple(cores[busy:])
     return Cores(idle=max(1, min(len(cores), MAX_SIDE_BY_SIDE)), spare=spare[:MAX_SIDE_BY_SIDE],
-                 quiet=None if spare else str(quiet_lock_path()))
+                 timing_lock=None if spare else settings.execution.timing_lock)
 
 
 def runnable_classes(settings: RunSettings, host: HostInfo, model: ModelInfo) -> list[FsdpConfig]:
@@ -263,12 +266,18 @@ def _search(parts: _Parts, on_trial_complete) -> None:
             plan = parts.gate.plan
             fit_chance = parts.gate.fit_chance if plan.active or plan.all_fit else None
             recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.study.space, fit_chance)
-            enqueue_baseline(study, canonical(recipe, parts.objective.topology))
+            recipe = canonical(recipe, parts.objective.topology)
+            in_space = settings.study.space.offers(recipe, parts.objective.topology)
+            if not in_space:
+                parts.reporter.say(f"The standard recipe ({recipe.describe()}) is not in the space: it is measured "
+                                   "beside the answer, as a reference, and is not one of the --trials.")
+            enqueue_baseline(study, recipe, in_space)
             if settings.search.seed_frontier and parts.search is None:
                 _enqueue_frontier(parts)
         recover_stale_trials(study, parts.reporter.say)
     if parts.stopper.nothing_left(study):
-        parts.reporter.say("Every configuration of the space that can run here was measured (or ruled out) in earlier runs.")
+        parts.reporter.say("Every configuration of the space that can run here was measured (or ruled out) in earlier "
+                           "runs.")
         parts.stopper.reason = StopReason.SPACE_EXHAUSTED
         return
     if parts.forks is not None and not parts.forks.ready():
@@ -315,8 +324,9 @@ def _confirm(parts: _Parts, on_trial_complete) -> Verdict | None:
             return None
         if queued:
             parts.reporter.say(f"Confirmation{' at full depth' if shallow else ''}: {len(keys)} finalist(s) and "
-                               f"{len(entries) - len(keys)} reference(s), {'round 1' if upto == 1 else f'{upto} interleaved round(s)'}; "
-                               f"{queued} fresh trial(s) to run.")
+                               f"{len(entries) - len(keys)} reference(s), "
+                               f"{'round 1' if upto == 1 else f'{upto} interleaved round(s)'}; {queued} fresh trial(s) "
+                               "to run.")
             study.optimize(parts.objective, n_trials=queued, callbacks=[_after_trial(parts, on_trial_complete)],
                            catch=(TrialFailed,), n_jobs=1)
     result = confirm.verdict(study, entries)
@@ -328,7 +338,8 @@ def _confirm(parts: _Parts, on_trial_complete) -> Verdict | None:
 def _after_trial(parts: _Parts, on_trial_complete) -> Callable[[optuna.Study, FrozenTrial], None]:
     def after_trial(study: optuna.Study, trial: FrozenTrial) -> None:
         parts.gate.refresh()
-        parts.reporter.show_state(f"#{trial.number} {trial.state.name.lower()}", len(parts.objective.counts.trial_wall_s),
+        parts.reporter.show_state(f"#{trial.number} {trial.state.name.lower()}",
+                                  len(parts.objective.counts.trial_wall_s),
                                   parts.objective.best_value())
         if trial.state == TrialState.COMPLETE:
             _notify(on_trial_complete, study, parts.reporter)
@@ -341,7 +352,8 @@ def _record_exclusions(parts: _Parts) -> None:
     if parts.search is None or not parts.search.excluded:
         return
     labels = {c.key(): c.describe() for c in parts.search.candidates}
-    examples = [{"label": labels.get(k, k), "reason": r} for k, r in list(parts.search.excluded.items())[:EXCLUDED_EXAMPLES]]
+    examples = [{"label": labels.get(k, k), "reason": r} for k,
+                r in list(parts.search.excluded.items())[:EXCLUDED_EXAMPLES]]
     previous = parts.study.user_attrs.get(StudyAttr.EXCLUDED, {})
     count = max(len(parts.search.excluded), previous.get("count", 0))
     parts.study.set_user_attr(StudyAttr.EXCLUDED, {"count": count, "examples": examples})

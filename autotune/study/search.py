@@ -129,7 +129,8 @@ class ModelSearch:
         order = [int(i) for i in np.lexsort((self._rng.random(len(remaining)), -scores))]
         # Candidates a rough model finds unlikely to fit wait for the rest; only if
         # nothing else fits are they estimated after all.
-        best = (self._walk(remaining, scores, order, has_data, defer=True) or self._walk(remaining, scores, order, has_data)
+        best = (self._walk(remaining, scores, order, has_data, defer=True)
+                or self._walk(remaining, scores, order, has_data)
                 or self._walk(remaining, scores, order, has_data, capped=False))
         if best is None:
             self.exhausted = True

@@ -12,11 +12,12 @@ asks another question is refused before anything is written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from autotune.config import DEFAULT_TIMED_STEPS, MIN_WARMUP_STEPS, SEARCHES, LoraSpec, accumulation_steps
 from autotune.errors import UsageError
+from autotune.launch.locks import timing_lock_path
 from autotune.study.storage import open_storage, sqlite_path
 
 if TYPE_CHECKING:
@@ -97,7 +98,12 @@ class ExecutionSettings:
     # Device sets a trial may run on (GPU indices, or CPU cores); one trial per
     # slot at a time, so several slots run trials side by side.
     slots: tuple[tuple[int, ...], ...] = ()
+    # Print only the final summary.
     quiet: bool = False
+    # The timing lock (autotune.launch.locks.timing_lock_path): each trial's rank 0 holds it shared while its
+    # steps are timed, and a memory estimate that shares the trials' cores holds it exclusively, so that no
+    # estimate runs on a trial's cores while it times steps. None: estimates never share the trials' cores.
+    timing_lock: str | None = field(default_factory=lambda: str(timing_lock_path()))
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,8 @@ class RunSettings:
     search: SearchSettings = SearchSettings()
     measure: MeasureSettings = MeasureSettings()
     execution: ExecutionSettings = ExecutionSettings()
+    # What check_resumable found of the study these settings resume ({} for a new one); None: not checked yet.
+    stored_identity: dict[str, Any] | None = None
 
     @property
     def world_size(self) -> int:
@@ -181,6 +189,16 @@ def check_resumable(settings: RunSettings) -> dict[str, Any]:
     return stored
 
 
+def checked_for_resume(settings: RunSettings) -> RunSettings:
+    """The settings once checked against the study they would resume (:func:`check_resumable`, the one
+    check), with its identity and, where the run leaves it unsaid, the trial depth the study started with."""
+    if settings.stored_identity is not None:
+        return settings
+    stored = check_resumable(settings)
+    depth = settings.study.trial_depth or stored.get("trial_depth") or "auto"
+    return replace(settings, study=replace(settings.study, trial_depth=depth), stored_identity=stored)
+
+
 def _shown(key: str, value: Any) -> str:
     """An identity value as a user reads it: the workload in words, the rest as stored."""
     if key == "trial_depth":
@@ -201,7 +219,8 @@ def make_sampler(search: str, seed: int) -> optuna.samplers.BaseSampler:
 
         return PlannedSampler()
     if search == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=8)
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
+                                          n_startup_trials=8)
     if search == "gp":
         from autotune.study.record import CONSTRAINT_KEY
 

@@ -22,7 +22,7 @@ import yaml
 from autotune import config as vocab
 from autotune.config import DIMENSION, DIMENSIONS, FsdpConfig, Dimension
 from autotune.errors import UsageError
-from autotune.study.equivalence import Topology, canonical_fields
+from autotune.study.equivalence import Topology, canonical, canonical_fields
 
 
 def builtin_spaces_dir() -> Path:
@@ -57,7 +57,8 @@ class SearchSpace:
                 # A fixed value is drawn through the sampler when the space offers
                 # it, so the trial's params say what ran; else it is used as is.
                 value = fixed[dim.name]
-                picked[dim.name] = pick(dim, self.choices[dim.name]) if drawn and value in self.choices[dim.name] else value
+                picked[dim.name] = pick(dim,
+                                        self.choices[dim.name]) if drawn and value in self.choices[dim.name] else value
             elif drawn:
                 picked[dim.name] = pick(dim, self.choices[dim.name])
             else:
@@ -77,6 +78,17 @@ class SearchSpace:
 
         return FsdpConfig(**self._walk(pick, fixed or {}), transformer_layer_cls=layer_classes)
 
+    def offers(self, cfg: FsdpConfig, topology: Topology) -> bool:
+        """Whether the space holds ``cfg``'s class at ``topology``: its simplest member's every dimension among
+        the space's choices (the vocabulary's default where the space leaves one out), or, failing that, one of
+        the space's classes."""
+        simplest = canonical(cfg, topology)
+        fields = simplest.to_dict()
+        if all(fields[d.name] in self.choices[d.name] if d.name in self.choices and d.applies(fields)
+               else fields[d.name] == getattr(FsdpConfig, d.name) for d in DIMENSIONS):
+            return True
+        return any(c.key() == simplest.key() for c in self.enumerate(cfg.transformer_layer_cls, topology))
+
     def for_global_batch(self, global_batch_size: int, data_parallel: int) -> "SearchSpace":
         """The space with only the micro batches that gradient accumulation can
         turn into ``global_batch_size`` samples a step over ``data_parallel`` ranks."""
@@ -86,7 +98,8 @@ class SearchSpace:
             divisors = [d for d in range(1, global_batch_size // data_parallel + 1)
                         if global_batch_size % (d * data_parallel) == 0]
             raise UsageError(
-                f"--global-batch-size {global_batch_size}: no micro batch of the space ({', '.join(map(str, offered))}) "
+                f"--global-batch-size {global_batch_size}: no micro batch of the space "
+                f"({', '.join(map(str, offered))}) "
                 f"times {data_parallel} ranks divides it; with {data_parallel} ranks the micro batches that do are "
                 + (", ".join(map(str, divisors[:12])) + ("..." if len(divisors) > 12 else "") if divisors
                    else f"none (it must be a multiple of {data_parallel})")
@@ -122,9 +135,6 @@ class SearchSpace:
         return [FsdpConfig(**picked, transformer_layer_cls=layer_classes) for picked in unique.values()]
 
 
-_SAID: set[str] = set()
-
-
 def resolve_space_path(value: str) -> Path:
     """A file path, or the name of a built-in space (``default``, ``smoke``).
 
@@ -133,8 +143,7 @@ def resolve_space_path(value: str) -> Path:
     path = Path(value)
     builtin = builtin_spaces_dir() / f"{value}.yaml"
     if path.suffix in (".yaml", ".yml") or path.is_file():
-        if path.is_file() and builtin.is_file() and path.resolve() != builtin.resolve() and value not in _SAID:
-            _SAID.add(value)  # once, though run checks its flags before it builds its settings
+        if path.is_file() and builtin.is_file() and path.resolve() != builtin.resolve():
             print(f"autotune: --space {value}: using the file {path.resolve()}, not the built-in space {value}",
                   file=sys.stderr)
         return path
@@ -144,7 +153,8 @@ def resolve_space_path(value: str) -> Path:
 def parse_space(data: Any, path: str) -> SearchSpace:
     """Validate loaded YAML; every problem is one UsageError naming file, key and fix."""
     if not isinstance(data, dict) or not data:
-        raise UsageError(f"{path}: a search space is a mapping of field names to lists of choices, e.g. 'fsdp_version: [1, 2]'")
+        raise UsageError(f"{path}: a search space is a mapping of field names to lists of choices, e.g. 'fsdp_version: "
+                         "[1, 2]'")
     choices: dict[str, tuple] = {}
     for key, value in data.items():
         dim = DIMENSION.get(key)
@@ -189,13 +199,4 @@ def load_space(value: str) -> SearchSpace:
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise UsageError(f"{path}: YAML syntax error{at}: {problem}") from None
-    key = (str(path), text)
-    if key not in _CHECKED:
-        # Checking builds every configuration of the space (2.5 s for the default's 161,280 on 2 cores): once
-        # per process, not once per caller (the CLI's early check and the run's settings both load it).
-        _CHECKED[key] = parse_space(data, str(path))
-    return _CHECKED[key]
-
-
-# Spaces already checked in this process, by path and text (a SearchSpace is frozen).
-_CHECKED: dict[tuple[str, str], SearchSpace] = {}
+    return parse_space(data, str(path))

@@ -26,8 +26,8 @@ def observations(study: optuna.Study, encoder: Encoder) -> tuple[list[np.ndarray
     xs, ys = [], []
     for t in study.get_trials(deepcopy=False):
         cfg = trial_config(t)
-        if cfg is None or Attr.REUSED_FROM in t.user_attrs:
-            continue
+        if cfg is None or Attr.REUSED_FROM in t.user_attrs or t.user_attrs.get(Attr.OUTSIDE_SPACE):
+            continue  # a copy, or a reference whose choices the space's model has no column for
         value = None
         if t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.STATUS) == Status.OK:
             value = t.value

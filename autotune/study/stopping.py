@@ -93,7 +93,8 @@ class Stopper:
             return False
         settled = {config_key(t) for t in study.get_trials(deepcopy=False)
                    if config_key(t) and (t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-                                           or (t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == Cause.CRASH))}
+                                           or (t.state == TrialState.FAIL
+                                               and t.user_attrs.get(Attr.CAUSE) == Cause.CRASH))}
         return self.space_keys <= settled
 
     def same_crash_every_time(self, study: optuna.Study) -> bool:

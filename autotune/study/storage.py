@@ -276,7 +276,8 @@ def resolve_study_name(url: str, name: str | None) -> str:
     if not names:
         raise UsageError(f"no study in {mask_url(url)}; run 'autotune run --mem-budget ...' first, or pass --storage")
     if len(names) > 1:
-        raise UsageError(f"{mask_url(url)} holds {len(names)} studies; choose one with --study-name ({', '.join(names)})")
+        raise UsageError(f"{mask_url(url)} holds {len(names)} studies; choose one with --study-name "
+                         f"({', '.join(names)})")
     return names[0]
 
 

@@ -198,7 +198,8 @@ def main(argv: list[str]) -> int:
         try:
             record = _failure_record(exc, rank)
         except BaseException:  # noqa: BLE001 - the cause, at least, is known
-            record = {"rank": rank, "time": time.time(), "status": Status.CRASH, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            record = {"rank": rank, "time": time.time(), "status": Status.CRASH,
+                      "error": f"{type(exc).__name__}: {exc}"[:2000]}
         write_json_atomic(trial_dir / f"rank{rank}.error.json", record)
         traceback.print_exc()
         sys.stderr.flush()

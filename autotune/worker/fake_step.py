@@ -260,7 +260,10 @@ def grouped_mm_in_any_dtype() -> Iterator[None]:
     if original is None:
         yield
         return
-    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and original(input, weight, offs)
+    def in_bf16_only(input: Any, weight: Any, offs: Any) -> bool:
+        return weight.dtype == torch.bfloat16 and original(input, weight, offs)
+
+    moe._can_use_grouped_mm = in_bf16_only
     try:
         yield
     finally:
@@ -278,20 +281,21 @@ def real_post_forward_meshes() -> Iterator[None]:
     """
     from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
 
-    original = _fsdp_init._get_post_forward_mesh_info
+    name = "_get_post_forward_mesh_info"
+    original = getattr(_fsdp_init, name)
 
     def built_for_real(*args: Any, **kwargs: Any) -> Any:
         with unset_fake_temporarily():
             return original(*args, **kwargs)
 
-    patched = [m for m in (_fsdp_init, _fully_shard) if getattr(m, "_get_post_forward_mesh_info", None) is original]
+    patched = [m for m in (_fsdp_init, _fully_shard) if getattr(m, name, None) is original]
     for module in patched:
-        module._get_post_forward_mesh_info = built_for_real
+        setattr(module, name, built_for_real)
     try:
         yield
     finally:
         for module in patched:
-            module._get_post_forward_mesh_info = original
+            setattr(module, name, original)
 
 
 # Any value will do: the scale is one float, whatever it holds.
@@ -447,7 +451,8 @@ def runnable(cfg: FsdpConfig) -> tuple[FsdpConfig, list[str]]:
         run_cfg = run_cfg.replace(cpu_offload=False)
         notes.append("offload")
     if _is_fsdp1_zero2(cfg):
-        run_cfg = run_cfg.replace(sharding_strategy="FULL_SHARD" if cfg.sharding_strategy == "SHARD_GRAD_OP" else "HYBRID_SHARD")
+        run_cfg = run_cfg.replace(sharding_strategy="FULL_SHARD" if cfg.sharding_strategy == "SHARD_GRAD_OP"
+                                  else "HYBRID_SHARD")
         notes.append("fsdp1_shard_grad_op")
     return run_cfg, notes
 
@@ -532,7 +537,8 @@ def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg:
     for kind in high["moments"].keys() & low["moments"].keys() - {k for k in high["moments"] if k.endswith("/middle")}:
         a, b = low["moments"][kind], high["moments"][kind]
         moments[kind] = {"peak_bytes": at_depth(a["peak_bytes"], b["peak_bytes"]),
-                        "breakdown": {k: max(0, at_depth(a["breakdown"].get(k, 0), v)) for k, v in b["breakdown"].items()}}
+                        "breakdown": {k: max(0, at_depth(a["breakdown"].get(k, 0), v)) for k,
+                                      v in b["breakdown"].items()}}
     method = high["method"].replace(METHOD, f"{METHOD}+extrapolated({low_n},{high_n}->{blocks})", 1)
     return _public({**_largest(moments), "moments": moments, "method": method,
                     "seconds": round(time.perf_counter() - start, 3)})
@@ -549,8 +555,8 @@ def answer(request: dict[str, Any]) -> dict[str, Any]:
         world_size = int(request["world_size"])
         accum = accumulation_steps(request.get("global_batch_size"), cfg.micro_batch_size, world_size)
         lora = LoraSpec.from_dict(request["lora"]) if request.get("lora") else None
-        return estimate_config(request["model"], world_size, int(request.get("nnodes", 1)), int(request["seq_len"]), cfg,
-                               accum, exact=bool(request.get("exact", False)), lora=lora)
+        return estimate_config(request["model"], world_size, int(request.get("nnodes", 1)), int(request["seq_len"]),
+                               cfg, accum, exact=bool(request.get("exact", False)), lora=lora)
     except Exception as exc:  # noqa: BLE001 - one bad configuration must not end the server
         return {"error": f"{type(exc).__name__}: {exc}"}
 

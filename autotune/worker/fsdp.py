@@ -102,7 +102,8 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], mo
         raise ValueError(f"activation_checkpointing={mode!r}; expected none, full, every_other_layer or selective")
     wrap_layers(
         model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options),
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                **options),
         check_fn=lambda m: id(m) in chosen,
     )
     wrapper_of = {
@@ -215,7 +216,7 @@ def apply_fsdp1(
         model,
         auto_wrap_policy=policy,
         # FSDP1 spells the hybrid ZeRO-2 strategy with a leading underscore.
-        sharding_strategy=ShardingStrategy[{"HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}.get(sharding_strategy, sharding_strategy)],
+        sharding_strategy=ShardingStrategy[sharding_strategy.replace("HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")],
         mixed_precision=mixed,
         # With offload, units are still initialized on the device (fast,
         # parallel) and FSDP moves the shards to the host after sharding.
@@ -280,8 +281,10 @@ def apply_fsdp2(
     dtypes = PRECISION_DTYPES[mixed_precision]
     kwargs: dict[str, Any] = dict(
         mesh=mesh,
-        reshard_after_forward=reshard_group_size if reshard_after_forward and reshard_group_size else reshard_after_forward,
-        mp_policy=MixedPrecisionPolicy() if dtypes is None else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
+        # An int is a partial reshard; torch takes the whole group's size as True.
+        reshard_after_forward=(reshard_group_size or True) if reshard_after_forward else False,
+        mp_policy=(MixedPrecisionPolicy() if dtypes is None
+                   else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1])),
         offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     )
     if auto_wrap_policy == "transformer_layer":

@@ -85,7 +85,8 @@ def is_mixture_of_experts(model: str) -> bool:
     if spec.kind == "factory":
         return False
     config = _transformers_config(spec)
-    return any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1 for name in EXPERT_COUNT_NAMES)
+    return any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1
+               for name in EXPERT_COUNT_NAMES)
 
 
 def _causal_lm_class(config):
@@ -153,7 +154,8 @@ def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str =
             if not isinstance(module, nn.Module):
                 raise TypeError(f"{spec.value} returned {type(module).__name__}, not a torch.nn.Module")
             # getattr gives Any, where a Module's attribute is typed Tensor | Module.
-            vocab_size = getattr(getattr(module, "config", None), "vocab_size", None) or getattr(module, "vocab_size")  # noqa: B009
+            vocab_size = getattr(getattr(module, "config", None), "vocab_size",
+                                 None) or getattr(module, "vocab_size")  # noqa: B009
         else:
             config = _transformers_config(spec, num_blocks)
             module = _causal_lm_class(config)(config)

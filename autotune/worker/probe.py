@@ -238,7 +238,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m autotune.worker.probe")
     parser.add_argument("--model", required=True)
     parser.add_argument("--wrap-class", action="append", default=[])
-    parser.add_argument("--nproc", type=int, default=None, help="ranks per node a trial will run (for the saturation curve)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks per node a trial will run (for the saturation "
+                                                                "curve)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     try:

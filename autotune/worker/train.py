@@ -155,7 +155,7 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
         synchronize(device)
         return _max_across_ranks(time.perf_counter() - start, device), stepped
 
-    with quiet_while_timing(request.quiet_lock, rank):
+    with holding_timing_lock(request.timing_lock, rank):
         dist.barrier()
         start = time.perf_counter()
         result.step_times, skipped, result.aborted_tokens_per_s = time_steps(
@@ -221,7 +221,7 @@ def memory_step(trainer: Trainer, rank: Rank, result: Measurement) -> RankMemory
 
 
 @contextlib.contextmanager
-def quiet_while_timing(lock: str | None, rank: Rank) -> Iterator[None]:
+def holding_timing_lock(lock: str | None, rank: Rank) -> Iterator[None]:
     """Rank 0 holds the tuner's timing lock (shared) while steps are timed: the
     tuner's background estimates on these cores wait for it to end."""
     if lock is None or not rank.is_main:
@@ -271,7 +271,8 @@ def time_steps(
         if n >= MIN_TIMED_STEPS and timing_budget_s is not None and sum(times) >= timing_budget_s:
             break
     if not times:
-        raise RuntimeError(f"fp16 loss scaling skipped all {skipped} timed steps: the gradients overflow at every scale")
+        raise RuntimeError(f"fp16 loss scaling skipped all {skipped} timed steps: "
+                           "the gradients overflow at every scale")
     return times, skipped, None
 
 

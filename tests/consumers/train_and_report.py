@@ -60,7 +60,8 @@ def configured(plugin=None) -> dict:
             "reshard_after_forward": plugin.reshard_after_forward if plugin.fsdp_version == 2 else None,
             "wrap": sorted(plugin.transformer_cls_names_to_wrap or []),
             "activation_checkpointing": plugin.activation_checkpointing,
-            "cpu_offload": bool(offload) if offload is not None else type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"}
+            "cpu_offload": bool(offload) if offload is not None
+            else type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"}
 
 
 def batches(n: int, size: int):
@@ -87,7 +88,8 @@ def with_accelerate() -> dict:
         optimizer.zero_grad()
         losses.append(loss.item())
     return {**applied(model), "mixed_precision": accelerator.mixed_precision, "losses": losses,
-            "distributed_type": str(accelerator.distributed_type), "micro_batch_size": micro, "configured": configured(),
+            "distributed_type": str(accelerator.distributed_type), "micro_batch_size": micro,
+            "configured": configured(),
             "rank": accelerator.process_index}
 
 
