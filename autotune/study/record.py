@@ -190,10 +190,9 @@ def answer_trials(study: Any) -> list:
     return [t for t in search_trials(study) if not t.user_attrs.get(Attr.OUTSIDE_SPACE)]
 
 
-def best_search_trial(study: Any, answers_only: bool = True) -> Any | None:
-    """The fastest feasible trial of the search (a single measurement) among those the space offers; with
-    ``answers_only`` off, a reference outside the space too."""
-    feasible = [t for t in (answer_trials(study) if answers_only else search_trials(study)) if is_feasible(t)]
+def best_search_trial(study: Any) -> Any | None:
+    """The fastest feasible trial of the search (a single measurement) among those the space offers."""
+    feasible = [t for t in answer_trials(study) if is_feasible(t)]
     return max(feasible, key=lambda t: t.value) if feasible else None
 
 
