@@ -293,3 +293,22 @@ def test_a_running_trial_left_by_a_dead_tuner_is_failed_and_queued_again(tmp_pat
     assert trials[0].state == TrialState.FAIL and trials[0].user_attrs[Attr.CAUSE] == "tuner died"
     retry = next(t for t in trials if t.user_attrs.get(Attr.RETRY_OF) == 0)
     assert retry.state == TrialState.COMPLETE and launch.launched == [cfg]
+
+
+def test_a_run_is_checked_against_its_stored_study_once(tmp_path, monkeypatch):
+    """The command line checks the settings against the study they resume (the trial depth it started with comes
+    from there); run_study takes settings so checked as they are, and checks only those that were not."""
+    from autotune.study import settings as settings_module
+
+    calls = []
+    real = settings_module.check_resumable
+    monkeypatch.setattr(settings_module, "check_resumable", lambda s: calls.append(s.study.name) or real(s))
+    checked = settings_module.checked_for_resume(settings(tmp_path, TWO, use_estimate=False))
+    assert checked.stored_identity == {} and checked.study.trial_depth == "auto" and len(calls) == 1
+    assert settings_module.checked_for_resume(checked) is checked
+    run_study(checked, HOST, MODEL, launch=ScriptedLaunch(lambda cfg, req: ok()),
+              storage=optuna.storages.InMemoryStorage())
+    assert len(calls) == 1
+    run_study(settings(tmp_path, TWO, use_estimate=False), HOST, MODEL, launch=ScriptedLaunch(lambda cfg, req: ok()),
+              storage=optuna.storages.InMemoryStorage())
+    assert len(calls) == 2

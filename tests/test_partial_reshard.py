@@ -118,3 +118,31 @@ def test_every_export_writes_the_reshard_group_or_says_it_cannot(fmt):
 def test_a_space_file_says_all_for_the_whole_group():
     dim = DIMENSION["reshard_group_size"]
     assert dim.from_yaml("all") is None and dim.allowed_text() == "any integer >= 2, or all"
+
+
+def test_a_study_on_two_nodes_searches_the_reshard_group_and_exports_the_winner(tmp_path):
+    """Through the study's seams (scripted launches): where resharding within a node is faster, the search
+    launches it, the answer is it, and the JSON export carries it."""
+    import dataclasses
+
+    import optuna
+
+    from autotune.outputs.export import build_export
+    from autotune.study import run_study
+    from autotune.study.record import winner
+    from tests.test_objective import HOST, MODEL, MiB, ScriptedEstimator, ScriptedLaunch, ok, settings
+
+    space = ("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: bf16\nactivation_checkpointing: full\n"
+             "reshard_group_size: [all, 2]\nmicro_batch_size: [1, 2]\n")
+    launch = ScriptedLaunch(lambda cfg, req: ok(tokens=1000.0 * cfg.micro_batch_size * (1.2 if cfg.reshard_group_size
+                                                                                        else 1.0)))
+    asked = settings(tmp_path, space, budget=500 * MiB, trials=4)
+    asked = dataclasses.replace(asked, study=dataclasses.replace(asked.study, nnodes=2))
+    storage = optuna.storages.InMemoryStorage()
+    run = run_study(asked, HOST, MODEL, launch=launch, estimator=ScriptedEstimator(lambda cfg: 10 * MiB),
+                    storage=storage)
+    assert sorted((c.reshard_group_size or 0, c.micro_batch_size) for c in launch.launched) == \
+        [(0, 1), (0, 2), (2, 1), (2, 2)]
+    best = winner(run.study)
+    assert (best.user_attrs["config"]["reshard_group_size"], best.value) == (2, 2400.0)
+    assert build_export(run.study, best, "sqlite:///x.db")["fsdp"]["reshard_group_size"] == 2

@@ -137,6 +137,8 @@ class MemoryOrder:
     hungriest: Callable[[Sequence[Any]], Any]
     frugal: Callable[[Sequence[Any]], Any]
     estimated: bool = True
+    # The values from least memory to most, where the dimension names them (the frontier's frugal order).
+    frugal_order: tuple = ()
 
 
 def ranked(*chains: tuple[Any, ...], hungriest: Sequence[Any], frugal: Sequence[Any]) -> MemoryOrder:
@@ -144,12 +146,12 @@ def ranked(*chains: tuple[Any, ...], hungriest: Sequence[Any], frugal: Sequence[
     def at_least(a: Any, b: Any) -> bool:
         return a == b or any(a in chain and b in chain and chain.index(a) < chain.index(b) for chain in chains)
 
-    return MemoryOrder(at_least, _first(hungriest), _first(frugal))
+    return MemoryOrder(at_least, _first(hungriest), _first(frugal), frugal_order=tuple(frugal))
 
 
 def unordered(hungriest: Sequence[Any], frugal: Sequence[Any]) -> MemoryOrder:
     """No sure sign between values (configurations must agree on it to be compared)."""
-    return MemoryOrder(lambda a, b: a == b, _first(hungriest), _first(frugal))
+    return MemoryOrder(lambda a, b: a == b, _first(hungriest), _first(frugal), frugal_order=tuple(frugal))
 
 
 LARGER_NEEDS_MORE = MemoryOrder(lambda a, b: a >= b, max, min)

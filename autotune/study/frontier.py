@@ -83,9 +83,9 @@ def frontier_strategies(candidates: list[FsdpConfig]) -> list[tuple[str, int]]:
 SPANNED_CHECKPOINTING = ("none", "selective", "full")
 
 
-# Checkpointing modes and precisions, least memory first (their memory orders).
-FRUGAL_CHECKPOINTING = ("full", "every_other_layer", "selective", "none")
-FRUGAL_PRECISION = ("bf16", "fp16", "bf16_fp32_reduce", "fp32")
+# Checkpointing modes and precisions, least memory first (their declared memory orders).
+FRUGAL_CHECKPOINTING = DIMENSION["activation_checkpointing"].memory.frugal_order
+FRUGAL_PRECISION = DIMENSION["mixed_precision"].memory.frugal_order
 
 
 def most_frugal(group: list[FsdpConfig]) -> FsdpConfig | None:
