@@ -206,7 +206,7 @@ def test_optunas_private_api_is_read_in_one_module():
 
 
 def declaration_problems(dim) -> list[str]:
-    """What a search dimension's declaration lacks (autotune.config.dimensions): everything the tuner derives
+    """What a search dimension's declaration lacks (autotune.config.fsdp_configuration): everything the tuner derives
     from it must be there, so that no gate, order, prior or rule silently skips a new dimension."""
     import dataclasses
     import importlib

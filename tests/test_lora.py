@@ -141,7 +141,8 @@ def test_a_lora_study_runs_end_to_end_beside_the_full_one_and_never_resumes_it(t
     the second study shows what moved. (At 40MB nothing of this fp32 space fits full training: the study
     then passed only where the host probe found bf16 fast and the standard recipe, bf16, ran outside it.)"""
     (tmp_path / "space.yaml").write_text(LORA_SPACE)
-    common = ["--mem-budget", "43MiB", "--space", "space.yaml", "--seq-len", "64", "--trials", "3", "--confirm", "0",
+    # Two trials each; the standard recipe, outside this space where the probe finds bf16 fast, runs beside them.
+    common = ["--mem-budget", "43MiB", "--space", "space.yaml", "--seq-len", "64", "--trials", "2", "--confirm", "0",
               "--timed-steps", "3"]
     full = run_cli("run", *common, cwd=tmp_path, forks=forks)
     assert full.returncode == 0, full.stderr[-3000:]

@@ -49,7 +49,7 @@ def canonical(cfg: FsdpConfig, topology: Topology) -> FsdpConfig:
 def canonical_fields(fields: Mapping[str, Any], topology: Topology) -> dict[str, Any]:
     """:func:`canonical` on a mapping of searchable fields (what enumeration walks
     through before any configuration object exists): the fields that change. Each
-    dimension declares its own rule (``autotune.config.dimensions``)."""
+    dimension declares its own rule (``autotune.config.fsdp_configuration``)."""
     simplest = simplest_fields(fields, topology)
     return {k: v for k, v in simplest.items() if fields[k] != v}
 

@@ -6,7 +6,7 @@ precision, less sharding, prefetching on, the all-gather limit off, no CPU
 offload. The memory gate uses it both ways: a configuration that needs at
 least as much as one known not to fit does not fit, and one that needs no
 more than one known to fit fits, so most of a space is decided by a few
-estimates. Each dimension declares its order (``autotune.config.dimensions``); choices
+estimates. Each dimension declares its order (``autotune.config.fsdp_configuration``); choices
 with no sure sign (the FSDP version, the wrap policy, FSDP1's pre- against
 post-backward prefetch) must be equal.
 """

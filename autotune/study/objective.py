@@ -295,8 +295,7 @@ class Objective:
             self.counts.note_launch(result, trial.user_attrs[Attr.LOG_PATH])
 
     def best_value(self) -> float | None:
-        # Hopelessness is judged against the best the space holds: a reference outside it that runs faster (bf16
-        # where the space offers only fp32) would otherwise stop every configuration of the space as hopeless.
+        # The best the space holds (a faster reference outside it would stop every configuration as hopeless).
         best = best_search_trial(self.study)
         return best.value if best is not None else None
 

@@ -1,5 +1,5 @@
 """What each choice is expected to do to tokens/s on this host before any trial: the search's prior and the
-frontier's order, summed from each dimension's declared prior (``autotune.config.dimensions``)."""
+frontier's order, summed from each dimension's declared prior (``autotune.config.fsdp_configuration``)."""
 
 from __future__ import annotations
 
