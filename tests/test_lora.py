@@ -130,7 +130,8 @@ def test_a_lora_trial_trains_only_its_adapters_and_its_estimate_matches(version,
     assert predicted["peak_bytes"] == pytest.approx(tuned.peak_memory_bytes, rel=0.03)
 
 
-LORA_SPACE = ("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: fp32\n"
+# Both precisions, so that the standard recipe (bf16 where the probe finds it fast, else fp32) is in the space.
+LORA_SPACE = ("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: [fp32, bf16]\n"
               "activation_checkpointing: [none, full]\nmicro_batch_size: [1, 4]\n")
 
 
@@ -138,10 +139,8 @@ LORA_SPACE = ("fsdp_version: 2\nsharding_strategy: FULL_SHARD\nmixed_precision: 
 def test_a_lora_study_runs_end_to_end_beside_the_full_one_and_never_resumes_it(tmp_path, forks):
     """In fp32 at seq 64, full training fits 43MiB only at a micro batch of 1 (the fake step: 39.7 MiB
     checkpointed, 41 MiB not, 44 MiB checkpointed at 4); LoRA fits every configuration: the summary of
-    the second study shows what moved. (At 40MB nothing of this fp32 space fits full training: the study
-    then passed only where the host probe found bf16 fast and the standard recipe, bf16, ran outside it.)"""
+    the second study shows what moved. Two trials each: the standard recipe and the frontier's first."""
     (tmp_path / "space.yaml").write_text(LORA_SPACE)
-    # Two trials each; the standard recipe, outside this space where the probe finds bf16 fast, runs beside them.
     common = ["--mem-budget", "43MiB", "--space", "space.yaml", "--seq-len", "64", "--trials", "2", "--confirm", "0",
               "--timed-steps", "3"]
     full = run_cli("run", *common, cwd=tmp_path, forks=forks)
