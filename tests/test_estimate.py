@@ -174,7 +174,10 @@ def test_fp16_estimate_matches_a_real_fp16_trial(version, tmp_path, forks):
     assert outcome.result.status == "ok", outcome.log_path.read_text()[-3000:]
     # FSDP1 peaks on CPU vary from run to run by up to 2.2% (34.78-35.57 MB over
     # 12 runs of this configuration, 2026-12-04): 3% tells a miss from that spread.
-    assert predicted["peak_bytes"] == pytest.approx(outcome.result.peak_memory_bytes, rel=0.03)
+    # Under the suite's load gloo's collectives finish later and keep their buffers
+    # longer: FSDP2 measured 35.56 MB alone (three runs, 2026-12-07; predicted 35.60),
+    # 36.97 MB once in the suite. An estimate may be that far under, never 3% over.
+    assert 0.95 <= predicted["peak_bytes"] / outcome.result.peak_memory_bytes <= 1.03
 
 
 @pytest.mark.torchrun

@@ -40,10 +40,11 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
     (0, or 1 when no configuration fits the budget or none could be measured)."""
     study, counts = run.study, run.counts
     trials = study.get_trials(deepcopy=False)
+    besides = [f"{n} {what}" for n, what in ((counts.confirmed, "confirmation trials"),
+                                             (counts.references, "reference outside the space")) if n]
     print(
         f"Study {study.study_name}: {counts.launched} trials launched in {run.elapsed_s:.0f}s this run"
-        + (f" (and {counts.confirmed} confirmation trials)" if counts.confirmed else "")
-        + (f" (and {counts.references} reference outside the space)" if counts.references else "")
+        + (f" (and {', '.join(besides)})" if besides else "")
         + f", {counts.pruned} pruned before launch, {counts.reused} reused earlier measurements, "
         f"{counts.aborted} stopped early, {counts.failed} failed; {len(trials)} trials in the study."
     )
