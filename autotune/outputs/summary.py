@@ -6,12 +6,11 @@ from pathlib import Path
 
 from optuna.trial import TrialState
 
-from autotune.config import DIMENSIONS, FsdpConfig
+from autotune.config import FsdpConfig
 from autotune.outputs.export import build_export, write_export
 from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
 from autotune.study.settings import RunSettings
-from autotune.study.space import SearchSpace
 from autotune.study.record import (
     Attr, Cause, StudyAttr, crash_signature, first_line, is_confirmation, is_extrapolated, is_feasible, winner,
 )  # fmt: skip
@@ -172,7 +171,7 @@ def print_reference_outside_space(trials: list, verdict: Verdict | None, best, s
     if reference is None:
         return
     recipe = FsdpConfig.from_dict(reference.user_attrs[Attr.CONFIG])
-    left_out = ", ".join(f"{name}={value}" for name, value in choices_not_offered(recipe, settings.study.space))
+    left_out = ", ".join(f"{name}={value}" for name, value in settings.study.space.not_offered(recipe))
     measured = verdict.references.get(Role.STANDARD_RECIPE) if verdict is not None else None
     if verdict is not None and measured is not None and measured.ratio_to_winner is not None:
         ratio, how = measured.ratio_to_winner.mean, f"in the same {verdict.rounds} rounds"
@@ -183,13 +182,6 @@ def print_reference_outside_space(trials: list, verdict: Verdict | None, best, s
               f"leaves out {left_out}; add that to the space to search around it. It is not exported as the answer.")
     else:
         print(f"  The standard recipe (not in the space: {left_out}) ran {ratio:.2f}x the answer ({how}).")
-
-
-def choices_not_offered(cfg: FsdpConfig, space: SearchSpace) -> list[tuple[str, object]]:
-    """``cfg``'s values that ``space`` does not offer (a dimension it leaves out offers only the default)."""
-    fields = cfg.to_dict()
-    return [(d.name, fields[d.name]) for d in DIMENSIONS if d.applies(fields) and fields[d.name] not in
-            space.choices.get(d.name, (getattr(FsdpConfig, d.name),))]
 
 
 def best_figures(study) -> tuple[dict, str, float, int] | None:

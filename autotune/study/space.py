@@ -78,16 +78,19 @@ class SearchSpace:
 
         return FsdpConfig(**self._walk(pick, fixed or {}), transformer_layer_cls=layer_classes)
 
+    def not_offered(self, cfg: FsdpConfig) -> list[tuple[str, Any]]:
+        """``cfg``'s values the space does not offer, by dimension (one the space leaves out offers only the
+        vocabulary's default); a dimension that does not apply under ``cfg``'s other choices is not asked."""
+        fields = cfg.to_dict()
+        return [(d.name, fields[d.name]) for d in DIMENSIONS if d.applies(fields)
+                and fields[d.name] not in self.choices.get(d.name, (getattr(FsdpConfig, d.name),))]
+
     def offers(self, cfg: FsdpConfig, topology: Topology) -> bool:
-        """Whether the space holds ``cfg``'s class at ``topology``: its simplest member's every dimension among
-        the space's choices (the vocabulary's default where the space leaves one out), or, failing that, one of
-        the space's classes."""
+        """Whether the space holds ``cfg``'s class at ``topology``: its simplest member offered value by value,
+        or, failing that, one of the space's classes."""
         simplest = canonical(cfg, topology)
-        fields = simplest.to_dict()
-        if all(fields[d.name] in self.choices[d.name] if d.name in self.choices and d.applies(fields)
-               else fields[d.name] == getattr(FsdpConfig, d.name) for d in DIMENSIONS):
-            return True
-        return any(c.key() == simplest.key() for c in self.enumerate(cfg.transformer_layer_cls, topology))
+        return not self.not_offered(simplest) or any(
+            c.key() == simplest.key() for c in self.enumerate(cfg.transformer_layer_cls, topology))
 
     def for_global_batch(self, global_batch_size: int, data_parallel: int) -> "SearchSpace":
         """The space with only the micro batches that gradient accumulation can
