@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from autotune.config import FsdpConfig
+from autotune.config.dimensions import shard_ranks
 from autotune.errors import UsageError
 
 _ACCELERATE_WRAP = {"transformer_layer": "TRANSFORMER_BASED_WRAP", "size_based": "SIZE_BASED_WRAP", "none": "NO_WRAP"}
@@ -206,13 +207,8 @@ def _torchtitan_common(doc: dict[str, Any], notes: list[str]) -> tuple[FsdpConfi
     if cfg.mixed_precision == "fp16":
         notes.append("mixed_precision=fp16: torchtitan trains in bf16 or fp32 only; exported as bfloat16")
     notes += _partial_reshard_notes(cfg, "torchtitan")
-    if cfg.sharding_strategy == "NO_SHARD":
-        shard, replicate = 1, world
-    elif cfg.is_hybrid:
-        shard = cfg.shard_group_size or world // doc.get("nnodes", 1)
-        replicate = world // shard
-    else:
-        shard, replicate = world, 1
+    shard = shard_ranks(cfg.to_dict(), world, doc.get("nnodes", 1))
+    replicate = world // shard
     param = {"fp32": "float32", "fp16": "bfloat16"}.get(cfg.mixed_precision, "bfloat16")
     reduce = "bfloat16" if cfg.mixed_precision in ("bf16", "fp16") else "float32"
     return cfg, shard, replicate, param, reduce

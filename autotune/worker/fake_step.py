@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autotune.config import FsdpConfig, LoraSpec, accumulation_steps
+from autotune.config.dimensions import shard_ranks
 from autotune.worker.fsdp import build_mesh, make_grad_scaler, parallelize
 from autotune.worker.measure import LiveStorageTracker
 from autotune.worker.models import BuiltModel, apply_lora, block_count, build_model, is_mixture_of_experts
@@ -471,8 +472,7 @@ def derived_step(model: str, world_size: int, nnodes: int, seq_len: int, cfg: Fs
         # Forward leaves each unit unsharded until its backward: every parameter
         # but this rank's shard, in the compute dtype, through forward and backward.
         itemsize = 4 if cfg.mixed_precision == "fp32" else 2
-        shard_groups = (cfg.shard_group_size or world_size // nnodes) if cfg.is_hybrid else world_size
-        kept = int(result["num_params"] * itemsize * (1 - 1 / shard_groups))
+        kept = int(result["num_params"] * itemsize * (1 - 1 / shard_ranks(cfg.to_dict(), world_size, nnodes)))
         for kind, moment in result["moments"].items():
             if kind.startswith(("forward", "backward")):
                 moment["peak_bytes"] += kept
