@@ -361,8 +361,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Dimension(
         "mixed_precision", str, MIXED_PRECISIONS,
         ranked(("fp32", "bf16_fp32_reduce", "bf16"), ("fp32", "fp16", "bf16"),
-               hungriest=("fp32", "bf16_fp32_reduce", "fp16", "bf16"), frugal=("bf16", "fp16", "bf16_fp32_reduce",
-                                                                               "fp32")),
+               hungriest=("fp32", "bf16_fp32_reduce", "fp16", "bf16"),
+               frugal=("bf16", "fp16", "bf16_fp32_reduce", "fp32")),
         lambda v, c: precision_effects(c.host)[v], _precision_rule, lambda f, t: f["mixed_precision"],
         preferred=(), apply=("fsdp.apply_fsdp1", "fsdp.apply_fsdp2"), label=lambda v, f: v),
     Dimension(
