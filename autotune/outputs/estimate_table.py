@@ -91,8 +91,8 @@ def estimates_json(rows: list[dict[str, Any]], header: dict[str, Any], margin: M
                                                 **({"unknown": "no configuration of the group could be estimated"}
                                                    if m is None else {})}
                                                for g, m in sorted(largest.items())],
-                       "estimate_failures": [{"cause": cause, "configurations": n} for cause,
-                                             n in failure_causes(rows)]},
+                       "estimate_failures": [{"cause": cause, "configurations": n}
+                                             for cause, n in failure_causes(rows)]},
                       indent=2)
 
 

@@ -323,8 +323,8 @@ def to_python(doc: dict[str, Any]) -> tuple[str, list[str]]:
     header = _comment_block("#", doc, notes, usage)
     source = files("autotune.worker").joinpath("fsdp.py").read_text()
     literal = "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(cfg.to_dict().items())) + "}"
-    tail = _PYTHON_TAIL.replace("__CONFIG__", literal).replace("__ACCUM__", str(doc.get("gradient_accumulation_steps",
-                                                                                        1)))
+    accum = str(doc.get("gradient_accumulation_steps", 1))
+    tail = _PYTHON_TAIL.replace("__CONFIG__", literal).replace("__ACCUM__", accum)
     return header + source + tail, notes
 
 

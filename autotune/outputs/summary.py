@@ -106,8 +106,8 @@ def print_top(trials: list, settings: RunSettings) -> None:
 def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
     """The confirmation round: every finalist's mean with its CI, the winner, the ties, the references."""
     rows = [[f"{e.mean:,.0f}", _ci_text(e.ci95), format_bytes(e.peak_memory_bytes or 0), e.label,
-             f"slower: {_ratio_text(e.ratio_to_winner)} of the winner" if part == Part.SLOWER else part_text(part,
-                                                                                                             roles)]
+             f"slower: {_ratio_text(e.ratio_to_winner)} of the winner" if part == Part.SLOWER
+             else part_text(part, roles)]
             for e, part, roles in verdict.parts()]
     print(f"\nConfirmation: {verdict.rounds} interleaved round(s) of fresh trials:")
     print(format_table(["mean tok/s", "95% CI", "peak", "configuration", "verdict"], rows, right=(0, 1, 2)))
@@ -263,8 +263,8 @@ def explain_no_result(trials: list, plan: GatePlan, settings: RunSettings) -> st
     budget, text = settings.study.budget_bytes, settings.study.budget_text
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     peaks = [(t.user_attrs[Attr.PEAK_MEMORY_BYTES], t) for t in complete if t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)]
-    failed = [t for t in trials if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) in (Cause.CRASH,
-                                                                                                   Cause.TIMEOUT)]
+    failed = [t for t in trials
+              if t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) in (Cause.CRASH, Cause.TIMEOUT)]
     if peaks:
         smallest, trial = min(peaks, key=lambda p: p[0])
         return (f"No configuration fits in {text} ({format_bytes(budget)}): the smallest peak seen was "

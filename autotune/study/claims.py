@@ -163,8 +163,8 @@ def settle_interrupted(study: optuna.Study, name: str) -> list[int]:
     retried = {t.user_attrs.get(Attr.RETRY_OF) for t in trials}
     settled = []
     for t in trials:
-        mine = t.user_attrs.get(Attr.RUNNER) == me or (t.state == TrialState.RUNNING
-                                                       and not t.user_attrs.get(Attr.RUNNER))
+        runner = t.user_attrs.get(Attr.RUNNER)
+        mine = runner == me or (t.state == TrialState.RUNNING and not runner)
         if not mine:
             continue
         if t.state == TrialState.RUNNING:

@@ -158,8 +158,8 @@ def enqueue_rounds(study: optuna.Study, entries: list[Entry], rounds: int, attem
     for r in range(1, rounds + 1):
         for e in entries:
             if r not in held[e.cfg.key()]:
-                study.enqueue_trial(as_params(e.cfg), user_attrs={Attr.CONFIRMATION_ROUND: r,
-                                                                  Attr.CONFIRMATION_ROLE: e.role.value})
+                attrs = {Attr.CONFIRMATION_ROUND: r, Attr.CONFIRMATION_ROLE: e.role.value}
+                study.enqueue_trial(as_params(e.cfg), user_attrs=attrs)
                 queued += 1
     return queued
 

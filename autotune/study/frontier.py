@@ -54,9 +54,8 @@ def frontier_by_strategy(candidates: list[FsdpConfig], fits: Callable[[FsdpConfi
                                   == (strategy, group_size)], fits):
             continue  # the strategy cannot fit in any precision
         for precision in fast_precisions:
-            group = [c for c in candidates if c.sharding_strategy == strategy and (c.shard_group_size
-                                                                                   or 0) == group_size
-                     and c.mixed_precision == precision]
+            group = [c for c in candidates if c.sharding_strategy == strategy
+                     and (c.shard_group_size or 0) == group_size and c.mixed_precision == precision]
             if not _most_frugal_fits(group, fits):
                 continue  # nothing in the group can fit: one fake step, not one per checkpointing mode
             chosen: list[FsdpConfig]
@@ -111,8 +110,8 @@ def preferred(c: FsdpConfig) -> tuple:
     return tuple(d.preference(getattr(c, d.name)) for d in _VARIANT_DIMENSIONS)
 
 
-def _largest_fitting(group: list[FsdpConfig], checkpointing: str, fits: Callable[[FsdpConfig],
-                                                                                 bool]) -> FsdpConfig | None:
+def _largest_fitting(group: list[FsdpConfig], checkpointing: str,
+                     fits: Callable[[FsdpConfig], bool]) -> FsdpConfig | None:
     """The preferred variant of the largest micro batch that fits with ``checkpointing``."""
     options = sorted((c for c in group if c.activation_checkpointing == checkpointing),
                      key=lambda c: (-c.micro_batch_size, preferred(c)))
@@ -243,7 +242,7 @@ class FrontierPlan:
                                            for c in first}
         for cfg in sorted(self.candidates, key=preferred):
             key = (cfg.sharding_strategy, cfg.activation_checkpointing, cfg.micro_batch_size)
-            if key[:2] in wanted and cfg.mixed_precision == fast and key[2] in (sizes[0],
-                                                                                sizes[-1]) and not cfg.is_hybrid:
+            if (key[:2] in wanted and cfg.mixed_precision == fast and key[2] in (sizes[0], sizes[-1])
+                    and not cfg.is_hybrid):
                 picked.setdefault(key, cfg)
         return list(picked.values())

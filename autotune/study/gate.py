@@ -107,8 +107,8 @@ class MemoryGate:
         self.say = say
         self.cores = cores or Cores()
         self.plan = GatePlan()
-        self.figures = FakeStepFigures(estimator, space.choices.get("micro_batch_size",
-                                                                    (FsdpConfig.micro_batch_size,)), say)
+        micro_batches = space.choices.get("micro_batch_size", (FsdpConfig.micro_batch_size,))
+        self.figures = FakeStepFigures(estimator, micro_batches, say)
         self.witnesses = Witnesses()
         self.model = PeakModel()
         self._seen_trials = -1

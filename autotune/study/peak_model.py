@@ -20,8 +20,8 @@ from autotune.config import DIMENSIONS, FsdpConfig
 
 # The choices the model reads: every dimension the fake step sees, but the micro batch (which enters through
 # its logarithm, per checkpointing mode).
-_FIELDS = tuple(d.name for d in DIMENSIONS if d.memory.estimated and d.name not in ("micro_batch_size",
-                                                                                    "activation_checkpointing"))
+_FIELDS = tuple(d.name for d in DIMENSIONS
+                if d.memory.estimated and d.name not in ("micro_batch_size", "activation_checkpointing"))
 # Fewer figures than this, and the model says nothing.
 MIN_FIGURES = 6
 # The model's spread on log peak is never taken as below this (10%).

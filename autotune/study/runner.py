@@ -138,9 +138,9 @@ def run_study(
     except KeyboardInterrupt as exc:
         interrupted = exc if isinstance(exc, interrupts.Interrupted) else interrupts.Interrupted(signal.SIGINT)
         settled = settle_interrupted(parts.study, interrupted.name)
-        parts.reporter.say(f"Stopped by {interrupted.name}" + (f"; trial(s) {', '.join(f'#{n}' for n in settled)} "
-                                                                "recorded as interrupted and queued to run again"
-                                                               if settled else ""))
+        queued = (f"; trial(s) {', '.join(f'#{n}' for n in settled)} recorded as interrupted and queued to run "
+                  "again" if settled else "")
+        parts.reporter.say(f"Stopped by {interrupted.name}{queued}")
     finally:
         parts.reporter.close_bar()
         parts.gate.close()
@@ -226,8 +226,8 @@ def estimate_cores(settings: RunSettings, host: HostInfo) -> Cores:
     keep about one core each busy, and the tuner itself one more."""
     cores = sorted(os.sched_getaffinity(0))
     if host.device_type == "cpu":
-        used = set().union(*(cpu_cores(slot)
-                             for slot in settings.execution.slots)) if settings.execution.slots else set(cores)
+        slots = settings.execution.slots
+        used = set().union(*(cpu_cores(slot) for slot in slots)) if slots else set(cores)
         spare = tuple(c for c in cores if c not in used)
     else:
         busy = settings.world_size // settings.study.nnodes * max(1, len(settings.execution.slots)) + 1

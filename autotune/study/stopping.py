@@ -91,10 +91,9 @@ class Stopper:
         or an interrupted trial may go another way next time, so it is not one."""
         if self.space_keys is None:
             return False
+        crashed = lambda t: t.state == TrialState.FAIL and t.user_attrs.get(Attr.CAUSE) == Cause.CRASH  # noqa: E731
         settled = {config_key(t) for t in study.get_trials(deepcopy=False)
-                   if config_key(t) and (t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-                                           or (t.state == TrialState.FAIL
-                                               and t.user_attrs.get(Attr.CAUSE) == Cause.CRASH))}
+                   if config_key(t) and (t.state in (TrialState.COMPLETE, TrialState.PRUNED) or crashed(t))}
         return self.space_keys <= settled
 
     def same_crash_every_time(self, study: optuna.Study) -> bool:

@@ -132,8 +132,8 @@ def _key(config: dict[str, Any]) -> str:
 def _entry(doc: dict[str, Any]) -> VerdictEntry:
     ratio = doc.get("ratio_to_winner")
     return VerdictEntry(
-        label=doc["label"], config=doc["config"], role=Role(doc["role"]), also=tuple(Role(r) for r in doc.get("also",
-                                                                                                              ())),
+        label=doc["label"], config=doc["config"], role=Role(doc["role"]),
+        also=tuple(Role(r) for r in doc.get("also", ())),
         trial=doc.get("trial"), values=tuple(doc["values"]), mean=doc["mean"], ci95=tuple(doc["ci95"]),
         peak_memory_bytes=doc.get("peak_memory_bytes"),
         ratio_to_winner=Ratio(ratio["mean"], ratio["rounds"], tuple(ratio["ci95"])) if ratio else None,

@@ -102,8 +102,8 @@ def apply_activation_checkpointing(model: nn.Module, layers: list[nn.Module], mo
         raise ValueError(f"activation_checkpointing={mode!r}; expected none, full, every_other_layer or selective")
     wrap_layers(
         model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                **options),
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options),
         check_fn=lambda m: id(m) in chosen,
     )
     wrapper_of = {
