@@ -145,7 +145,7 @@ def check_run_flags(args: argparse.Namespace) -> RunFlags:
 
 def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -> tuple[Any, Any, Any]:
     """The run ``args`` ask for, from its checked ``flags`` and the host probe (forked from ``forks`` when it is
-    ready): (settings, host, model). Whether a stored study may be resumed with them is run_study's check."""
+    ready), checked once against the study it would resume: (settings, host, model)."""
     from autotune.config import timing_defaults
     from autotune.launch.host import probe
     from autotune.presets import choose_seq_len
@@ -163,8 +163,8 @@ def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -
     launcher = choose_launcher(args.launcher, args.nnodes)
     if launcher == "local":
         # Simulated nodes share this host's devices.
-        _check_nproc(nproc * args.nnodes, host, f"--nproc {nproc} x --nnodes {args.nnodes}" if args.nnodes > 1
-                     else None)
+        asked = f"--nproc {nproc} x --nnodes {args.nnodes}" if args.nnodes > 1 else None
+        _check_nproc(nproc * args.nnodes, host, asked)
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note and not args.quiet:
         print(f"autotune run: {seq_note}", file=sys.stderr)

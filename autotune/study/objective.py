@@ -286,8 +286,8 @@ class Objective:
             return 0.0
         self._tally(failed=1)
         write_failure(trial, result, Cause.of(result.status))
-        self._line(trial, cfg, f"FAILED ({result.status}): {first_line(result.error)} [log: "
-                               f"{trial.user_attrs[Attr.LOG_PATH]}]")
+        log = trial.user_attrs[Attr.LOG_PATH]
+        self._line(trial, cfg, f"FAILED ({result.status}): {first_line(result.error)} [log: {log}]")
         raise TrialFailed(f"{result.status}: {result.error}")
 
     def _note_crash(self, trial: optuna.Trial, result: TrialResult) -> None:

@@ -57,8 +57,8 @@ class SearchSpace:
                 # A fixed value is drawn through the sampler when the space offers
                 # it, so the trial's params say what ran; else it is used as is.
                 value = fixed[dim.name]
-                picked[dim.name] = pick(dim,
-                                        self.choices[dim.name]) if drawn and value in self.choices[dim.name] else value
+                offered = drawn and value in self.choices[dim.name]
+                picked[dim.name] = pick(dim, self.choices[dim.name]) if offered else value
             elif drawn:
                 picked[dim.name] = pick(dim, self.choices[dim.name])
             else:
