@@ -10,6 +10,7 @@ both sides is estimated at its own micro batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,12 +20,13 @@ from typing import Any, Callable, Iterable
 import optuna
 
 from autotune.config import FsdpConfig
+from autotune.config.estimate_method import EstimateMethod
 from autotune.launch.locks import exclusive
 from autotune.study.margin import memory_class
 from autotune.study.record import Attr, trial_config
 
 # The note a compiled configuration's figure carries: its blocks are estimated eagerly.
-COMPILE_NOTE = "+derived(compile_as_eager)"
+COMPILE_NOTE = "compile_as_eager"
 
 
 class FakeStepFigures:
@@ -70,7 +72,8 @@ class FakeStepFigures:
             figure = interpolate(points[max(below)], points[min(above)], max(below), min(above), mbs)
         if cfg.compile:
             # Compiled blocks are estimated as their eager step (see autotune.worker.fake_step).
-            figure = {**figure, "method": f"{figure.get('method')}{COMPILE_NOTE}"}
+            method = EstimateMethod.parse(figure.get("method")) or EstimateMethod()
+            figure = {**figure, "method": str(method.with_derived(COMPILE_NOTE))}
         return figure
 
     def get(self, cfg: FsdpConfig) -> dict[str, Any] | None:
@@ -170,12 +173,21 @@ class FakeStepFigures:
     def load(self, study: optuna.Study) -> None:
         """The figures cached in the study's trials (fake steps of earlier runs and other tuners)."""
         for t in study.get_trials(deepcopy=False):
-            cfg, method = trial_config(t), str(t.user_attrs.get(Attr.PREDICTION_METHOD))
-            if cfg is None or not t.user_attrs.get(Attr.PREDICTED_PEAK_BYTES) or "interpolated" in method:
-                continue
-            self._known.setdefault(memory_class(cfg), {}).setdefault(cfg.micro_batch_size, {
-                "peak_bytes": t.user_attrs[Attr.PREDICTED_PEAK_BYTES], "method": method.replace(COMPILE_NOTE, ""),
-                "breakdown": t.user_attrs.get(Attr.PREDICTED_BREAKDOWN, {}), "cached_from": t.number})
+            cached = cached_figure(t)
+            if cached is not None:
+                cfg, figure = cached
+                self._known.setdefault(memory_class(cfg), {}).setdefault(cfg.micro_batch_size, figure)
+
+
+def cached_figure(trial: Any) -> tuple[FsdpConfig, dict[str, Any]] | None:
+    """The fake step's own figure a trial carries (not an interpolated one), with its configuration."""
+    cfg, method = trial_config(trial), EstimateMethod.parse(trial.user_attrs.get(Attr.PREDICTION_METHOD))
+    if cfg is None or not trial.user_attrs.get(Attr.PREDICTED_PEAK_BYTES) or method is None or method.interpolated:
+        return None
+    # The fake step's own figure: a compiled configuration's note is the study's, not the step's.
+    method = dataclasses.replace(method, derived=tuple(d for d in method.derived if d != COMPILE_NOTE))
+    return cfg, {"peak_bytes": trial.user_attrs[Attr.PREDICTED_PEAK_BYTES], "method": str(method),
+                 "breakdown": trial.user_attrs.get(Attr.PREDICTED_BREAKDOWN, {}), "cached_from": trial.number}
 
 
 def interpolate(low: dict[str, Any], high: dict[str, Any], m_low: int, m_high: int, mbs: int) -> dict[str, Any]:
@@ -188,4 +200,5 @@ def interpolate(low: dict[str, Any], high: dict[str, Any], m_low: int, m_high: i
 
     breakdown = {k: line(low.get("breakdown", {}).get(k, 0), v) for k, v in high.get("breakdown", {}).items()}
     return {"peak_bytes": line(low["peak_bytes"], high["peak_bytes"]), "breakdown": breakdown,
-            "method": f"{high.get('method')}+interpolated({m_low},{m_high})"}
+            "method": str((EstimateMethod.parse(high.get("method")) or EstimateMethod()).interpolated_between(m_low,
+                                                                                                           m_high))}

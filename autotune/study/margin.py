@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from autotune.config import FsdpConfig
+from autotune.config.estimate_method import EstimateMethod, SlackClass, slack_class
 
 # What lies outside the caching allocator on a CUDA device before any trial
 # measured it: the context (about 0.5 GiB) and NCCL's buffers; one rank of an
@@ -39,7 +40,7 @@ MIN_CALIBRATION_TRIALS = 3
 # llama-tiny: the exact slack plus that. A configuration predicted over the
 # budget by less may still fit, and only a launch can tell; one predicted over
 # it by more is not worth a launch.
-ESTIMATE_SLACK = {"exact": 0.04, "interpolated": 0.065, "derived": 0.11}
+ESTIMATE_SLACK = {SlackClass.EXACT: 0.04, SlackClass.INTERPOLATED: 0.065, SlackClass.DERIVED: 0.11}
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,8 @@ class Sample:
 
     measured: int
     predicted: int
-    method: str | None = None
+    method: str | EstimateMethod | None = None
     outside: int | None = None
-
-
-def method_class(method: str | None) -> str:
-    """"derived" for figures partly derived rather than run (see autotune.worker.fake_step),
-    "interpolated" for a micro batch between two fake steps, else "exact"."""
-    if method and "derived" in method:
-        return "derived"
-    return "interpolated" if method and "interpolated" in method else "exact"
 
 
 @dataclass(frozen=True)
@@ -73,16 +66,16 @@ class Margin:
     factor: float
     fixed_bytes: int
     source: str
-    low_factors: dict[str, float] = field(default_factory=dict)
+    low_factors: Mapping[str, float] = field(default_factory=dict)
 
     def apply(self, tensor_peak: int) -> int:
         return int(tensor_peak * self.factor + self.fixed_bytes)
 
-    def low_factor(self, method: str | None = None) -> float:
-        kind = method_class(method)
+    def low_factor(self, method: str | EstimateMethod | None = None) -> float:
+        kind = slack_class(method)
         return min(1.0 - ESTIMATE_SLACK[kind], self.low_factors.get(kind, 1.0))
 
-    def lowest(self, tensor_peak: int, method: str | None = None) -> int:
+    def lowest(self, tensor_peak: int, method: str | EstimateMethod | None = None) -> int:
         """The smallest device peak the prediction leaves plausible: above the
         budget even by this, a launch is a waste."""
         return int(tensor_peak * self.low_factor(method) + self.fixed_bytes)
@@ -99,7 +92,8 @@ def default_margin(device_type: str, outside_bytes: int | None = None) -> Margin
     return Margin(1.0, 0, "none (CPU trials measure tensor bytes too)")
 
 
-def fit_chance(margin: Margin, tensor_peak: int, budget_bytes: int, method: str | None = None) -> float:
+def fit_chance(margin: Margin, tensor_peak: int, budget_bytes: int,
+               method: str | EstimateMethod | None = None) -> float:
     """How likely a configuration with this predicted tensor peak fits: 1 when
     even the margin's high side fits, 0 when even its low side does not, and
     where the budget falls between them otherwise."""
@@ -123,14 +117,14 @@ def calibrated_margin(samples: Iterable[Sample], device_type: str) -> Margin:
     samples = [s for s in samples if s.measured and s.predicted]
     outside = [s.outside for s in samples if s.outside is not None]
     base = default_margin(device_type, max(outside) if outside and device_type == "cuda" else None)
-    measured = [(s.measured / s.predicted, method_class(s.method)) for s in samples]
+    measured = [(s.measured / s.predicted, slack_class(s.method)) for s in samples]
     ratios = [r for r, _ in measured]
     if len(ratios) < MIN_CALIBRATION_TRIALS:
         return base
     factor = max(1.0, max(ratios))
     # The low side only widens: a handful of trials does not show how far the
     # next one may fall below, so the known slack stays the floor (Margin.low_factor).
-    lows = {kind: round(min(r for r, k in measured if k == kind), 4) for kind in {k for _, k in measured}}
+    lows = {kind.value: round(min(r for r, k in measured if k == kind), 4) for kind in {k for _, k in measured}}
     source = (f"calibrated on {len(ratios)} trials (median ratio {statistics.median(ratios):.3f})"
               + (f" + {base.fixed_bytes / 2**30:.2f} GiB outside the allocator" if base.fixed_bytes else ""))
     return Margin(round(factor, 4), base.fixed_bytes, source, low_factors=lows)

@@ -3,25 +3,22 @@
 On CUDA the caching allocator's own peaks are the truth. A CPU host has no
 device memory, and process RSS mixes in the interpreter, libraries and freed
 pages, so on CPU the peak is the largest total size of live tensor storages,
-observed after every operator of one dedicated step. The same tracker counts
-fake tensors, which is how the estimator measures a step that never runs.
+observed after every operator of one dedicated step
+(:class:`~autotune.worker.live_storages.LiveStorageTracker`). The same tracker
+counts fake tensors, which is how the estimator measures a step that never runs.
 """
 
 from __future__ import annotations
 
-import gc
 import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from autotune.config import RankMemory
+from autotune.worker.live_storages import LiveStorageTracker  # noqa: F401 - the CPU trial's memory measure
 
 from autotune.stats import median_ci95
 
@@ -158,70 +155,3 @@ def add_run_figures(memory: RankMemory, device: torch.device) -> None:
     memory.cap_bytes = cap.cap_bytes
     memory.outside_allocator = cap.outside_bytes
     memory.outside_growth = max(0, outside - cap.outside_bytes)
-
-
-def _has_own_storage(obj: Any, fake_mode: Any) -> bool:
-    """Plain tensors and parameters (and the fake ones of ``fake_mode``, when
-    counting those); not wrapper subclasses such as DTensor, whose bytes live
-    in the local tensor they wrap (counted on its own)."""
-    if type(obj) in (torch.Tensor, torch.nn.Parameter):
-        return True
-    return fake_mode is not None and isinstance(obj, FakeTensor) and obj.fake_mode is fake_mode
-
-
-class LiveStorageTracker(TorchDispatchMode):
-    """Track the peak total bytes of live tensor storages while active.
-
-    Storages are held weakly, so one that is freed drops out by itself. Sizes
-    are re-read at every operator because FSDP frees and re-allocates unsharded
-    parameters by resizing storages in place, which no operator reports.
-
-    ``fake_mode`` counts that mode's fake tensors as if real: the estimator's
-    step is all fake. Only that mode's: a fake step run before it in the same
-    process may leave fake tensors behind that no Python reference holds
-    (FSDP1's NO_SHARD keeps its flat parameters alive through a hook on their
-    gradient accumulator, a cycle through C++ the garbage collector cannot
-    see), and counting them made the second of two depths 1.5 GiB too large
-    (autotune issue 35). A real trial counts no fake tensor: torch.compile
-    keeps fake copies of the tensors it traced, which hold no memory.
-    """
-
-    def __init__(self, fake_mode: Any = None) -> None:
-        super().__init__()
-        self._storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.peak_bytes = 0
-        self.fake_mode = fake_mode
-
-    def __enter__(self) -> LiveStorageTracker:
-        # Tensors alive before the step (parameters, optimizer state, buffers)
-        # count too, though no operator of the step created them.
-        gc.collect()
-        for obj in gc.get_objects():
-            if _has_own_storage(obj, self.fake_mode):
-                self._add(obj)
-        self._update_peak()
-        return super().__enter__()
-
-    def _add(self, tensor: Any) -> None:
-        if not _has_own_storage(tensor, self.fake_mode) or tensor.device.type == "meta":
-            return
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse or opaque tensors have no storage
-            return
-        self._storages[storage] = None
-
-    def _update_peak(self) -> int:
-        """Re-read the live bytes; returns them."""
-        current = sum(storage.nbytes() for storage in list(self._storages.keys()))
-        if current > self.peak_bytes:
-            self.peak_bytes = current
-        return current
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves((args, kwargs, out)):
-            if isinstance(leaf, torch.Tensor):
-                self._add(leaf)
-        self._update_peak()
-        return out
