@@ -47,6 +47,14 @@ def _at_least(minimum: int, why: str = ""):
 _positive_int = _at_least(1)
 
 
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """A whole number, or several separated by commas (``8,16``): each one asked about in turn."""
+    values = tuple(_positive_int(part.strip()) for part in text.split(","))
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text} names a value twice; name each once")
+    return values
+
+
 def _port(text: str) -> int:
     port = _positive_int(text)
     if port > 65535:
@@ -219,18 +227,33 @@ def _add_search_flags(run: Any) -> None:
 
 def _add_estimate(commands: Any) -> None:
     estimate = commands.add_parser(
-        "estimate", help="predict peak memory per rank for the space, without GPUs",
+        "estimate", help="predict peak memory per rank and tokens/s for the space, without GPUs",
         description="Predict each configuration's peak memory per rank from a fake training step (no GPU, no "
-                    "memory used), with the device margin, and say whether it fits; then the largest micro batch "
-                    "that fits for each sharding x checkpointing x precision among the configurations estimated.")
+                    "memory used), with the device margin, and say whether it fits; predict its tokens/s, with a "
+                    "90%% interval, and MFU on a device profile from the same step's counted work; sort the "
+                    "configurations that fit by predicted speed; then the largest micro batch that fits for each "
+                    "sharding x checkpointing x precision among the configurations estimated. Several --nproc or "
+                    "--nnodes values (8,16) compare world sizes in one command.")
     estimate.add_argument("--mem-budget", required=True, metavar="SIZE", help="per-rank memory budget, e.g. 80GB or "
                                                                               "70GiB (required)")
     estimate.add_argument("--model", default="llama-tiny", help="preset, Hugging Face model id, config.json path or "
                                                                 "module:function (default: llama-tiny)")
-    estimate.add_argument("--nproc", type=_positive_int, default=2,
-                          help="ranks per node, as in autotune run: the world size is --nproc x --nnodes (default: 2)")
-    estimate.add_argument("--nnodes", type=_positive_int, default=1, help="nodes the ranks are spread over; hybrid "
-                                                                          "sharding needs 2+ (default: 1)")
+    estimate.add_argument("--nproc", type=_positive_ints, default=(2,),
+                          help="ranks per node, as in autotune run: the world size is --nproc x --nnodes; several, "
+                               "comma-separated, to compare (default: 2)")
+    estimate.add_argument("--nnodes", type=_positive_ints, default=(1,),
+                          help="nodes the ranks are spread over (hybrid sharding needs 2+); several, comma-separated, "
+                               "to compare world sizes: 8,16 (default: 1)")
+    estimate.add_argument("--device-profile", default=None, metavar="NAME",
+                          help="the device the speeds are predicted for: a named GPU (a100-80gb, h100-sxm, h200) or "
+                               "host, this host's own rates as the probe measures them (default: host on a GPU host "
+                               "or with --device cpu, else h100-sxm)")
+    estimate.add_argument("--intra-node-gbps", type=_positive_float, default=None, metavar="GB/S",
+                          help="bus bandwidth of collectives within a node, GB/s as nccl-tests reports it (default: "
+                               "the profile's, e.g. 365 for h100-sxm's NVLink)")
+    estimate.add_argument("--inter-node-gbps", type=_positive_float, default=None, metavar="GB/S",
+                          help="bus bandwidth of collectives across nodes per GPU, GB/s (default: the profile's, "
+                               "e.g. 45 for 400 Gb/s InfiniBand)")
     estimate.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sample (default: 256 for "
                                                                               "llama-tiny, else 2048)")
     estimate.add_argument("--space", default="default", help="search space YAML file or built-in name (default: "

@@ -259,6 +259,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     spec = parse_model_spec(args.model)
     lora = lora_spec(args)
     space = load_space(args.space)
+    if args.device_profile is not None and args.device_profile.lower() != "host":
+        from autotune.speed.named_profiles import named_profile
+
+        named_profile(args.device_profile)  # a name that is none is refused before anything starts
     # As `run` does: the probe and every fake step forked from one server, which pays torch's imports once.
     forks = ForkServer(model=_model_argument(spec, args.model))
     try:
@@ -268,51 +272,84 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space: Any, forks: Any) -> int:
-    import os
-    import random
-
-    from autotune.launch.estimator_client import MAX_SIDE_BY_SIDE, EstimatorClient
     from autotune.launch.host import probe
-    from autotune.outputs.estimate_table import estimate_rows, estimates_json, estimates_table
+    from autotune.outputs.estimate_table import estimates_json, estimates_table, worlds_json, worlds_table
     from autotune.presets import choose_seq_len
-    from autotune.study.equivalence import Topology
+    from autotune.speed.host_profile import device_profile_for
     from autotune.study.margin import default_margin
     from autotune.units import format_bytes
 
     refuse_repeats("--wrap-class", args.wrap_class)
-    _, model = probe(_model_argument(spec, args.model), tuple(args.wrap_class), forks=forks)
+    named = args.device_profile if args.device_profile is not None else "host" if args.device == "cpu" else None
+    thresholds = tuple(space.choices.get("min_num_params", ()))
+    model_argument = _model_argument(spec, args.model)
+    host, model = probe(model_argument, tuple(args.wrap_class), forks=forks, nproc=max(args.nproc),
+                        min_num_params=thresholds, rates=named == "host")
+    if named is None:
+        # A GPU host predicts for itself (its rates measured now); any other, for the GPU most plan for.
+        named = "host" if host.device_type == "cuda" else "h100-sxm"
+        if named == "host":
+            host, model = probe(model_argument, tuple(args.wrap_class), forks=forks, nproc=max(args.nproc),
+                                min_num_params=thresholds)
+    profile = device_profile_for(named, host, args.intra_node_gbps, args.inter_node_gbps)
     seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
     if seq_note:
         print(f"autotune estimate: {seq_note}", file=sys.stderr)
-    # --nproc is ranks per node, as in `run` (before, here, it was the world size).
-    world = args.nproc * args.nnodes
-    topology = Topology(world, args.nnodes, model.num_params, model.num_layers)
+    margin = default_margin(args.device)
+    worlds = [(nproc, nnodes) for nnodes in args.nnodes for nproc in args.nproc]
+    docs = []
+    for nproc, nnodes in worlds:
+        rows = _estimate_world(args, model_argument, model, profile, lora, space, forks, seq_len, budget, margin,
+                               nproc, nnodes)
+        docs.append((nproc, nnodes, rows))
+    header = {"model": args.model, "seq_len": seq_len, "budget_bytes": budget, "device_profile": profile.name,
+              "device_profile_source": profile.source}
+    if args.format == "json":
+        print(worlds_json(docs, header, margin) if len(docs) > 1 else
+              estimates_json(docs[0][2], {**header, "world_size": worlds[0][0] * worlds[0][1],
+                                          "nnodes": worlds[0][1]}, margin))
+        return 0
+    for nproc, nnodes, rows in docs:
+        print(f"{model.class_name} ({model.num_params / 1e9:.2f}B params), world size {nproc * nnodes} ({nproc} per "
+              f"node x {nnodes} node(s)), seq len {seq_len}, budget {args.mem_budget} = {format_bytes(budget)} per "
+              f"rank; margin: {margin.source}; speeds on {profile.describe()}.")
+        print(estimates_table(rows))
+        print()
+    if len(docs) > 1:
+        print(worlds_table(docs))
+    return 0
+
+
+def _estimate_world(args: argparse.Namespace, model_argument: str, model: Any, profile: Any, lora: Any, space: Any,
+                    forks: Any, seq_len: int, budget: int, margin: Any, nproc: int, nnodes: int) -> list[dict]:
+    """The rows of one world size: each configuration's memory estimate and predicted speed."""
+    import os
+    import random
+
+    from autotune.launch.estimator_client import MAX_SIDE_BY_SIDE, EstimatorClient
+    from autotune.outputs.estimate_table import estimate_rows
+    from autotune.study.equivalence import Topology
+    from autotune.study.speed_oracle import estimate_speed
+
+    world = nproc * nnodes
+    topology = Topology(world, nnodes, model.num_params, model.num_layers)
     # Each class once; hybrid groups that do not divide the ranks cannot be formed.
     configs = [c for c in space.enumerate(model.layer_classes, topology)
                if not (c.is_hybrid and c.shard_group_size and world % c.shard_group_size)]
     limit = args.limit or (len(configs) if len(configs) <= 64 else 64)
     if limit < len(configs):
         configs = random.Random(args.seed).sample(configs, limit)
-    margin = default_margin(args.device)
-    client = EstimatorClient(_model_argument(spec, args.model), world, args.nnodes, seq_len,
-                             exact=args.exact, lora=lora, forks=forks)
+    client = EstimatorClient(model_argument, world, nnodes, seq_len, exact=args.exact, lora=lora, forks=forks)
     progress = None if args.format == "json" else (
-        lambda i, cfg: print(f"estimating {i + 1}/{len(configs)}: {cfg.describe()}", file=sys.stderr, flush=True))
+        lambda i, cfg: print(f"estimating {i + 1}/{len(configs)} (world size {world}): {cfg.describe()}",
+                             file=sys.stderr, flush=True))
     # Forked fake steps run side by side, one to a core; without the server, one at a time.
     cores = tuple(sorted(os.sched_getaffinity(0)))[:MAX_SIDE_BY_SIDE] if forks.ready() else ()
+    speed = estimate_speed(model, profile, world, nnodes)
     try:
-        rows = estimate_rows(client.estimate, configs, margin, budget, progress, cores=cores)
+        return estimate_rows(client.estimate, configs, margin, budget, progress, cores=cores, speed=speed)
     finally:
         client.close()
-    if args.format == "json":
-        print(estimates_json(rows, {"model": args.model, "world_size": world, "nnodes": args.nnodes,
-                                    "seq_len": seq_len, "budget_bytes": budget}, margin))
-        return 0
-    print(f"{model.class_name} ({model.num_params / 1e9:.2f}B params), world size {world} ({args.nproc} per node x "
-          f"{args.nnodes} node(s)), "
-          f"seq len {seq_len}, budget {args.mem_budget} = {format_bytes(budget)} per rank; margin: {margin.source}.")
-    print(estimates_table(rows))
-    return 0
 
 
 def _open_study(args: argparse.Namespace):

@@ -21,3 +21,22 @@ def sleep(argv: list[str]) -> None:
 
 def crash(argv: list[str]) -> None:
     raise RuntimeError("boom from a forked target")
+
+
+def count_linear_work(argv: list[str]) -> None:
+    """The work counter on a Linear(16 -> 32, no bias) and a ReLU over 8 x 16 fp32 inputs, forward and backward:
+    printed as one region's Work dict each."""
+    import torch
+
+    from autotune.worker.step_moments import StepMoments
+    from autotune.worker.work_counter import WorkCounter
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    moments = StepMoments(model, optimizer, [model[0]]).watch(1)
+    counter = WorkCounter(moments, micro_batch_size=1, seq_len=8,
+                          param_shapes=frozenset(tuple(p.shape) for p in model.parameters()))
+    x = torch.randn(8, 16)
+    with moments.saved_tensors_hooks(), counter:
+        model(x).sum().backward()
+    print(json.dumps({key: work.to_dict() for key, work in counter.regions.items()}))

@@ -30,6 +30,8 @@ class ModelInfo:
     block_period: int = 1
     # The parameters of one block; None when unknown.
     block_params: int | None = None
+    # Size-based wrapping: by threshold, the parameters of the units inside one block (the step-time model's).
+    size_units: dict[int, tuple[int, ...]] | None = None
 
 
 BF16_FAST_CAPABILITY = (8, 0)
@@ -63,6 +65,11 @@ class HostInfo:
     saturation: dict[int, float] | None = None
     # Each visible GPU's UUID, by index: what device locks are named after.
     device_uuids: tuple[str, ...] | None = None
+    # What the step-time model's host profile is made of (autotune.worker.rate_probe, autotune.worker.link_probe):
+    # matmul curves by dtype, memory bandwidth, operator costs; collective timings among a trial's ranks. None
+    # when not measured.
+    rates: dict[str, Any] | None = None
+    links: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Read back from JSON (a study's record, a benchmark table), the curve's keys are strings.
@@ -115,14 +122,20 @@ class HostInfo:
 
 
 def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, nproc: int | None = None,
-          forks: ForkServer | None = None) -> tuple[HostInfo, ModelInfo]:
+          forks: ForkServer | None = None, min_num_params: tuple[int, ...] = (),
+          rates: bool = True) -> tuple[HostInfo, ModelInfo]:
     """Run ``autotune.worker.probe`` (forked from ``forks`` when it is ready, else
     a fresh interpreter); a model it cannot build is a UsageError. ``nproc``:
     the ranks per node a trial will run, whose share of the cores the
-    saturation curve is measured on."""
+    rates are measured on; ``min_num_params``: the size-based thresholds whose units to describe; without
+    ``rates``, the host's rates and links are not measured (a named device profile needs none)."""
     argv = ["--model", model, *(["--nproc", str(nproc)] if nproc else [])]
     for name in wrap_class:
         argv += ["--wrap-class", name]
+    for theta in min_num_params:
+        argv += ["--min-num-params", str(theta)]
+    if not rates:
+        argv.append("--no-rates")
     try:
         done = run_forked(forks, "autotune.worker.probe:main", argv, timeout_s)
         if done is None:
@@ -152,6 +165,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
         hidden_size=model_data.get("hidden_size"),
         block_period=model_data.get("block_period", 1),
         block_params=model_data.get("block_params"),
+        size_units={int(k): tuple(v) for k, v in (model_data.get("size_units") or {}).items()},
     )
 
 

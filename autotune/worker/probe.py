@@ -18,6 +18,9 @@ import time
 import warnings
 from typing import Iterator
 
+from autotune.worker.link_probe import measure_links
+from autotune.worker.rate_probe import measure_rates
+
 
 def time_matmul(dtype, device, size: int = 384, repeats: int = 8) -> float:
     """Seconds per ``size`` x ``size`` matmul in ``dtype``, after two untimed ones."""
@@ -37,58 +40,20 @@ def time_matmul(dtype, device, size: int = 384, repeats: int = 8) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def saturation_curve(hidden: int, device, dtype, threads: int, max_tokens: int = 65536,
-                     max_call_s: float = 0.05) -> dict[int, float]:
-    """How close to its best speed this device runs a block's matmul, by tokens per step.
-
-    A transformer block is mostly ``[tokens, hidden] @ [hidden, 4 * hidden]``
-    matmuls: timed for 128, 256, ... tokens (until ``max_tokens``, or a call
-    takes ``max_call_s``), each speed is divided by the best one. A GPU at
-    one 2048-token sample runs far below its best, a CPU core is saturated
-    with a few hundred tokens; the frontier and the search's prior read the
-    curve to weigh a larger micro batch against the recomputation that
-    makes room for it.
-    """
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    hidden = min(hidden, 8192)
-    weight = torch.randn(hidden, 4 * hidden, device=device).to(dtype)
-    speeds: dict[int, float] = {}
-    tokens = 128
-    try:
-        while tokens <= max_tokens:
-            x = torch.randn(tokens, hidden, device=device).to(dtype)
-            seconds = time_matmul_pair(x, weight, device)
-            speeds[tokens] = tokens / seconds
-            if seconds > max_call_s:
-                break
-            tokens *= 2
-    finally:
-        torch.set_num_threads(previous)
-    best = max(speeds.values())
-    return {t: round(v / best, 4) for t, v in speeds.items()}
-
-
-def time_matmul_pair(x, weight, device, repeats: int = 3) -> float:
-    """Seconds of one ``x @ weight``, the best of ``repeats`` after a warm-up."""
-    import torch
-
-    x @ weight
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        x @ weight
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+def saturation_from(curve: list[list[float]], hidden: int) -> dict[int, float]:
+    """How close to its best speed this device runs a block's matmul, by tokens per step, from the rate probe's
+    curve of ``[tokens, hidden] @ [hidden, 4 * hidden]``: each speed divided by the best one. A GPU at one
+    2048-token sample runs far below its best, a CPU core is saturated with a few hundred tokens; the
+    frontier and the search's prior read the curve to weigh a larger micro batch against the recomputation that
+    makes room for it."""
+    width = min(hidden, 4096)
+    best = max(rate for _, rate in curve)
+    return {round(flops / (8 * width * width)): round(rate / best, 4) for flops, rate in curve}
 
 
 def describe_host(hidden_size: int | None = None, nproc: int | None = None) -> dict:
+    """What the host can run and, given the model's width, the rates the step-time model needs
+    (:mod:`autotune.worker.rate_probe`)."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -135,18 +100,29 @@ def describe_host(hidden_size: int | None = None, nproc: int | None = None) -> d
         torch.set_num_threads(threads)
     info["compile_supported"], info["compile_note"] = compile_toolchain(cuda)
     if hidden_size:
-        # In the precision the device runs fastest, on one rank's share of the cores.
-        if cuda:
-            fast = torch.bfloat16 if info["cuda_capability"] >= [8, 0] else torch.float16
-        else:
-            fast = torch.bfloat16 if (info["bf16_speedup"] or 0) >= 1.0 else torch.float32
-        threads = max(1, info["cpu_count"] // (nproc or (info["cuda_device_count"] if cuda else 2) or 1))
-        with gpu_held(info.get("device_uuids")):
-            info["saturation"] = saturation_curve(hidden_size, device, fast, threads)
+        describe_rates(info, hidden_size, device, nproc)
     import transformers
 
     info["transformers_version"] = transformers.__version__
     return info
+
+
+def describe_rates(info: dict, hidden_size: int, device, nproc: int | None) -> None:
+    """The step-time model's rates and the saturation curve, into ``info``: on one rank's share of the cores, in
+    every precision the device runs; the saturation curve is the fastest one's."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        fast = "bf16" if info["cuda_capability"] >= [8, 0] else "fp16"
+    else:
+        fast = "bf16" if (info["bf16_speedup"] or 0) >= 1.0 else "fp32"
+    threads = max(1, info["cpu_count"] // (nproc or (info["cuda_device_count"] if cuda else 2) or 1))
+    dtypes = {"fp32": torch.float32, **({"bf16": torch.bfloat16} if info["bf16_supported"] else {}),
+              **({"fp16": torch.float16} if info["fp16_supported"] else {})}
+    with gpu_held(info.get("device_uuids")):
+        info["rates"] = measure_rates(hidden_size, device, threads, dtypes)
+    info["saturation"] = saturation_from(info["rates"]["matmul"][fast], hidden_size)
 
 
 @contextlib.contextmanager
@@ -216,11 +192,25 @@ def block_period(layer_types: list | None) -> int:
     return next(p for p in range(1, n + 1) if all(layer_types[i] == layer_types[i % p] for i in range(n)))
 
 
-def describe_model(model: str, wrap_class: tuple[str, ...]) -> dict:
+def size_units(module, block, thresholds: tuple[int, ...]) -> dict[str, list[int]]:
+    """For each size-based threshold, the parameters of the units inside one block, in order: what the step-time
+    model shards a block into (autotune.worker.fsdp.size_based_units)."""
+    from autotune.worker.fsdp import size_based_units
+
+    inside = {id(m) for m in block.modules()}
+    found = {}
+    for theta in thresholds:
+        units = [u for u in size_based_units(module, theta) if id(u) in inside]
+        found[str(theta)] = [sum(p.numel() for p in u.parameters()) for u in units]
+    return found
+
+
+def describe_model(model: str, wrap_class: tuple[str, ...], min_num_params: tuple[int, ...] = ()) -> dict:
     from autotune.worker.models import build_model
 
     built = build_model(model, wrap_class)
     return {
+        "size_units": size_units(built.module, built.layers[0], min_num_params) if len(built.layers) else {},
         "block_period": block_period(getattr(getattr(built.module, "config", None), "layer_types", None)),
         "hidden_size": hidden_size(built.module),
         "num_params": sum(p.numel() for p in built.module.parameters()),
@@ -238,16 +228,27 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m autotune.worker.probe")
     parser.add_argument("--model", required=True)
     parser.add_argument("--wrap-class", action="append", default=[])
-    parser.add_argument("--nproc", type=int, default=None, help="ranks per node a trial will run (for the saturation "
-                                                                "curve)")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks per node a trial will run (for the rates, "
+                                                                "measured on one rank's share of the cores)")
+    parser.add_argument("--min-num-params", type=int, action="append", default=[],
+                        help="size-based wrapping thresholds whose units to describe")
+    parser.add_argument("--no-rates", action="store_true", help="describe the model only, measure nothing")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
+    # The links first: their ranks are forked, before this process runs any tensor operator.
+    links = None
+    if not args.no_rates:
+        import torch
+
+        links = measure_links(args.nproc or 2, "cuda" if torch.cuda.is_available() else "cpu")
     try:
-        model = describe_model(args.model, tuple(args.wrap_class))
+        model = describe_model(args.model, tuple(args.wrap_class), tuple(args.min_num_params))
     except Exception as exc:  # noqa: BLE001 - any failure to build is the user's model to fix
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return 2
-    print(json.dumps({"host": describe_host(model["hidden_size"], args.nproc), "model": model}))
+    host = describe_host(None if args.no_rates else model["hidden_size"], args.nproc)
+    host["links"] = links
+    print(json.dumps({"host": host, "model": model}))
     return 0
 
 

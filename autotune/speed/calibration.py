@@ -1,0 +1,88 @@
+"""Refit a device profile's efficiencies to measured steps: the step-time model learns this host as a study goes.
+
+Each measured trial is a :class:`Sample`: the schedule of its step (profile-independent) and the seconds it took.
+The five factors of :class:`~autotune.speed.device_profile.Efficiencies` (16-bit and fp32 compute, memory-bound
+kernels, communication, the host's overhead) are the ones that make the simulated steps closest to the measured
+ones in log time, each held near 1 by a prior (a factor of 1.65 is one standard deviation), so that four trials
+move the profile where they speak and leave it where they do not (fp32's factor stays where it was when no fp32
+trial ran). What the fit leaves in the residuals is the refitted profile's uncertainty.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from autotune.speed.device_profile import DeviceProfile, Efficiencies
+from autotune.speed.fsdp_schedule import Event
+from autotune.speed.overlap import simulate
+
+# Log-space standard deviation of each factor's prior, and of one measurement (trial-to-trial noise on these hosts:
+# a CV of 6-10%).
+PRIOR_SD = 0.5
+NOISE_SD = 0.08
+# The uncertainty never falls below this, however well a few trials fit.
+UNCERTAINTY_FLOOR = 0.04
+# The profile's own uncertainty counts as this many trials in the refitted one.
+PRIOR_WEIGHT = 2.0
+NAMES = ("compute", "compute_fp32", "memory", "communication", "overhead")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured step: its schedule, the ranks on its node, and the seconds it took."""
+
+    events: Sequence[Event]
+    ranks_on_node: int
+    seconds: float
+
+
+def residuals(profile: DeviceProfile, samples: Sequence[Sample]) -> list[float]:
+    """log(predicted / measured) of each sample on ``profile``."""
+    return [math.log(simulate(s.events, profile, s.ranks_on_node).seconds / s.seconds) for s in samples]
+
+
+def _said(base: DeviceProfile, samples: Sequence[Sample], start: Sequence[float]) -> list[int]:
+    """The factors the samples say anything about (a nudge to one moves some step): only those are fitted, so
+    that one the trials never exercised (fp32's, with no fp32 trial) stays exactly where it was."""
+    before = residuals(base, samples)
+    said = []
+    for i, _ in enumerate(NAMES):
+        nudged = [math.exp(v + (0.1 if j == i else 0.0)) for j, v in enumerate(start)]
+        after = residuals(base.with_efficiencies(Efficiencies(*nudged)), samples)
+        if max(abs(a - b) for a, b in zip(after, before)) > 1e-6:
+            said.append(i)
+    return said
+
+
+def refit(base: DeviceProfile, samples: Sequence[Sample]) -> DeviceProfile:
+    """``base`` with its efficiencies refitted to ``samples`` and its uncertainty from what the fit leaves (the
+    base itself when there is nothing to fit)."""
+    samples = [s for s in samples if s.seconds > 0]
+    if not samples:
+        return base
+    from scipy.optimize import minimize
+
+    start = [math.log(getattr(base.efficiencies, name)) for name in NAMES]
+    free = _said(base, samples, start)
+
+    def profile_at(x: Sequence[float]) -> DeviceProfile:
+        values = list(start)
+        for i, v in zip(free, x):
+            values[i] = v
+        return base.with_efficiencies(Efficiencies(*(math.exp(v) for v in values)))
+
+    def loss(x: Sequence[float]) -> float:
+        fitted = residuals(profile_at(x), samples)
+        return sum(r * r for r in fitted) / NOISE_SD**2 + sum(v * v for v in x) / PRIOR_SD**2
+
+    best = minimize(loss, [start[i] for i in free], method="Nelder-Mead",
+                    options={"xatol": 1e-4, "fatol": 1e-6, "maxiter": 4000}) if free else None
+    fitted = profile_at(best.x if best is not None else [])
+    left = residuals(fitted, samples)
+    n = len(left)
+    sigma = math.sqrt((sum(r * r for r in left) + PRIOR_WEIGHT * base.uncertainty**2) / (n + PRIOR_WEIGHT))
+    factors = ", ".join(f"{name} x{getattr(fitted.efficiencies, name):.2f}" for name in NAMES)
+    return fitted.with_efficiencies(fitted.efficiencies, max(UNCERTAINTY_FLOOR, sigma),
+                                    f"{base.source}; refitted on {n} measured trial(s): {factors}")
