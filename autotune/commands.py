@@ -363,17 +363,22 @@ def _open_study(args: argparse.Namespace):
 
 
 def cmd_trials(args: argparse.Namespace) -> int:
-    from autotune.outputs.tables import trial_record, trials_table
+    from autotune.outputs.tables import skipped_table, trial_record, trials_table
     from autotune.study.record import StudyAttr
 
     study = _open_study(args)
     budget = study.user_attrs.get(StudyAttr.IDENTITY, {}).get("budget_bytes")
     records = [trial_record(t, budget) for t in study.get_trials(deepcopy=False)]
+    skipped = study.user_attrs.get(StudyAttr.SKIPPED_SLOW, [])
     if args.format == "json":
-        print(json.dumps({"study": study.study_name, "budget_bytes": budget, "trials": records}, indent=2))
+        print(json.dumps({"study": study.study_name, "budget_bytes": budget, "trials": records,
+                          "skipped_as_slow": skipped}, indent=2))
     else:
         print(f"Study {study.study_name} (budget {study.user_attrs.get(StudyAttr.BUDGET)}): {len(records)} trials")
         print(trials_table(records))
+        if skipped:
+            print()
+            print(skipped_table(skipped))
     return 0
 
 

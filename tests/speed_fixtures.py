@@ -33,3 +33,32 @@ def model_work(block_ms: float = 10.0, depth: int = 4, dtype: str = "bf16") -> M
     """A model of ``depth`` blocks whose forward takes ``block_ms`` a block and backward twice that; nothing else."""
     return ModelWork(depth, 1, 1024, dtype, "none", flops(block_ms, dtype=dtype), flops(2 * block_ms, dtype=dtype),
                      None, Work(), Work(), Work(), Work(), Work(), 0, 0)
+
+
+def fake_step_answer(cfg, seq_len: int = 128, depth: int = 2, peak: int = 2**20) -> dict:
+    """What a fake step of ``cfg`` answers, work included: ``depth`` blocks whose forward is one matmul of
+    1 MFLOP a token in the compute dtype, backward twice that, an embedding and head of half a block's."""
+    from autotune.config.step_work import StepWork
+    from autotune.speed.model_work import COMPUTE_DTYPE
+
+    tokens = cfg.micro_batch_size * seq_len
+    dtype = COMPUTE_DTYPE[cfg.mixed_precision]
+
+    def matmul(times: float) -> Work:
+        return Work(matmuls={MatmulShape(dtype, 1, tokens, round(500 * times), 1000, "m"): 1}, kernels=1, ops=2)
+
+    regions = {"forward0/start": matmul(0.5), "forward0/end": matmul(0.5), "backward0/end": matmul(1.0),
+               "backward0/start": Work(), "optimizer/all": Work(fixed_bytes=8e6, kernels=10, ops=10)}
+    for i in range(depth):
+        regions[f"forward0/{i}"] = matmul(1.0)
+        regions[f"backward0/{i}"] = matmul(2.0)
+        if cfg.activation_checkpointing != "none":
+            regions[f"backward0/{i}/recompute"] = matmul(1.0)
+    step = StepWork(depth, cfg.micro_batch_size, seq_len, 1, regions, [], 1000, 2000, 2000)
+    return {"peak_bytes": peak * cfg.micro_batch_size, "breakdown": {}, "method": "scripted", "seconds": 0.0,
+            "work": {"steps": [step.to_dict()], "depth": depth}}
+
+
+# The probe's rates of a host whose bf16 matmuls run at 400 GFLOP/s and fp32 at 100: what its profile is made of.
+HOST_RATES = {"matmul": {"fp32": [[1e6, 1e11], [1e13, 1e11]], "bf16": [[1e6, 4e11], [1e13, 4e11]]},
+              "attention": {}, "memory_bytes_per_s": 1e10, "op_s": 1e-6, "kernel_s": 1e-6, "threads": 1}

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
+from typing import Any
 
 from optuna.trial import TrialState
 
-from autotune.config import FsdpConfig
+from autotune.config import FsdpConfig, Status
 from autotune.outputs.export import build_export, write_export
 from autotune.outputs.tables import format_table
 from autotune.study.gate import GatePlan
@@ -57,6 +59,8 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
     if run.stop_reason in STOP_REASONS:
         print(f"The search stopped because {STOP_REASONS[run.stop_reason]}.")
     best = winner(study)
+    for line in prediction_lines(study, best):
+        print(line)
     if best is None:
         print(explain_no_result(trials, run.plan, settings))
         return 1
@@ -72,6 +76,43 @@ def summarize(run: RunOutcome, settings: RunSettings) -> int:
     write_export(build_export(study, best, settings.study.storage_url), str(path))
     print(f"  wrote {path}")
     return 0
+
+
+def prediction_errors(study) -> list[tuple[Any, float]]:
+    """(trial, relative error of the speed predicted before its launch) for each measured search trial with one."""
+    pairs = []
+    for t in study.get_trials(deepcopy=False):
+        predicted = t.user_attrs.get(Attr.PREDICTED_TOKENS_PER_S)
+        if (predicted and t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.STATUS) == Status.OK
+                and not is_confirmation(t) and Attr.REUSED_FROM not in t.user_attrs and t.value):
+            pairs.append((t, predicted / t.value - 1.0))
+    return pairs
+
+
+def prediction_lines(study, best) -> list[str]:
+    """How well the speed model predicted this study: its error over the measured trials (each predicted before
+    its launch, with the calibration of that moment), whether it ranked the winner first, what it skipped."""
+    pairs = prediction_errors(study)
+    model = study.user_attrs.get(StudyAttr.SPEED_MODEL) or {}
+    skipped = len(study.user_attrs.get(StudyAttr.SKIPPED_SLOW, []))
+    if not pairs:
+        return []
+    errors = sorted(abs(e) for _, e in pairs)
+    lines = [f"Speed predictions ({model.get('profile', 'host')} profile, refitted on "
+             f"{model.get('calibration_trials', 0)} trials): median error {100 * statistics.median(errors):.1f}%, "
+             f"largest {100 * errors[-1]:.1f}% over {len(pairs)} measured trials (each predicted before its launch)"
+             + (f"; {skipped} configuration(s) not launched, predicted below the best even at their high side "
+                "(autotune trials lists them)" if skipped else "") + "."]
+    if best is not None:
+        ranked = sorted(pairs, key=lambda p: -p[0].user_attrs[Attr.PREDICTED_TOKENS_PER_S])
+        place = next((i for i, (t, _) in enumerate(ranked) if t.user_attrs.get(Attr.CONFIG)
+                      == best.user_attrs.get(Attr.CONFIG)), None)
+        if place == 0:
+            lines.append(f"  The prediction ranked the winner first among the {len(ranked)} measured.")
+        elif place is not None:
+            lines.append(f"  The prediction ranked the winner {place + 1} of the {len(ranked)} measured (first: "
+                         f"{ranked[0][0].user_attrs.get(Attr.LABEL)}).")
+    return lines
 
 
 def print_top(trials: list, settings: RunSettings) -> None:

@@ -63,6 +63,9 @@ def trial_record(trial: FrozenTrial, budget_bytes: int | None) -> dict[str, Any]
         "extrapolated": bool(attrs.get(Attr.EXTRAPOLATED)),
         "depths": [p["depth"] for p in attrs.get(Attr.DEPTH_POINTS) or ()] or None,
         "full_depth": attrs.get(Attr.FULL_DEPTH),
+        # The speed predicted before launch (its interval and MFU in predicted_speed).
+        "predicted_tokens_per_s": attrs.get(Attr.PREDICTED_TOKENS_PER_S),
+        "predicted_speed": attrs.get(Attr.PREDICTED_SPEED),
     }
 
 
@@ -94,5 +97,16 @@ def trials_table(records: list[dict[str, Any]]) -> str:
         if r["confirmation_round"]:
             note = f"confirmation round {r['confirmation_round']} ({r['confirmation_role'].replace('_', ' ')})" + (
                 f"; {note}" if note else "")
-        rows.append([r["number"], r["outcome"], tps, peak, r["label"] or "-", note])
-    return format_table(["#", "outcome", "tokens/s", "peak", "configuration", "note"], rows, right=(0, 2, 3))
+        predicted = f"{r['predicted_tokens_per_s']:,.0f}" if r.get("predicted_tokens_per_s") else "-"
+        rows.append([r["number"], r["outcome"], tps, predicted, peak, r["label"] or "-", note])
+    return format_table(["#", "outcome", "tokens/s", "predicted", "peak", "configuration", "note"], rows,
+                        right=(0, 2, 3, 4))
+
+
+def skipped_table(skipped: list[dict[str, Any]]) -> str:
+    """Configurations never launched because their predicted speed was hopeless, with why."""
+    rows = [[f"{s['predicted_tokens_per_s']:,.0f}", f"{s['high']:,.0f}", f"{s['best']:,.0f}", s["label"]]
+            for s in skipped]
+    return (f"Not launched, predicted below the best measured even at the high side of their interval "
+            f"({len(skipped)}):\n" + format_table(["predicted", "high", "best then", "configuration"], rows,
+                                                   right=(0, 1, 2)))

@@ -40,7 +40,7 @@ class RateCurve:
             return points[0][1]
         if flops >= points[-1][0]:
             return points[-1][1]
-        i = bisect.bisect_left([p[0] for p in points], flops)
+        i = bisect.bisect_left(points, (flops,))
         (f0, r0), (f1, r1) = points[i - 1], points[i]
         w = math.log(flops / f0) / math.log(f1 / f0)
         return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))

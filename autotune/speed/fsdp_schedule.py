@@ -158,6 +158,10 @@ def units(cfg: Mapping, structure: ModelStructure) -> tuple[int, list[list[Unit]
     return max(0, root), blocks
 
 
+def _share(work: Work, share: float) -> Work:
+    return work if share == 1.0 else work.times(share)
+
+
 def _checkpointed(mode: str, depth: int) -> set[int]:
     if mode == "every_other_layer":
         return set(range(0, depth, 2))
@@ -251,7 +255,7 @@ def _forward(plan: _Plan, out: _Writer) -> None:
             if plan.sharded and plan.cfg["forward_prefetch"] and k + 1 < len(order) and k + 1 not in gathered:
                 gathered[k + 1] = out.add(_forward_gather(plan, order[k + 1], computes))
             waits = (gathered[k],) if k in gathered else ()
-            computes.append(out.add(Compute(block_work.times(unit.share), f"forward: block {i}", waits)))
+            computes.append(out.add(Compute(_share(block_work, unit.share), f"forward: block {i}", waits)))
             k += 1
     out.add(Compute(plan.work.end_forward, "forward: after the blocks"))
 
@@ -278,10 +282,12 @@ def _backward(plan: _Plan, out: _Writer, sync: bool) -> None:
     prefetch = "BACKWARD_PRE" if plan.fsdp2 else plan.cfg["backward_prefetch"]
     recompute = plan.work.recompute(plan.cfg["activation_checkpointing"])
     checkpointed = _checkpointed(plan.cfg["activation_checkpointing"], plan.structure.num_layers)
+    # One Work object for every block alike: the simulation times each object once.
+    with_recompute = plan.work.block_backward + recompute
     last, j = end, 0
     for i in reversed(range(len(plan.blocks))):
         block = plan.blocks[i]
-        work = plan.work.block_backward + (recompute if i in checkpointed else Work())
+        work = with_recompute if i in checkpointed else plan.work.block_backward
         if not block:
             last = out.add(Compute(work, f"backward: block {i}"))
             continue
@@ -294,7 +300,7 @@ def _backward(plan: _Plan, out: _Writer, sync: bool) -> None:
             if prefetch == "BACKWARD_PRE" and nxt is not None and plan.reshards(nxt[1]) and nxt[0] not in gathered:
                 gathered[nxt[0]] = out.add(plan.gather(nxt[1], backward=True))
             waits = (gathered[k],) if k in gathered else ()
-            last = out.add(Compute(work.times(unit.share), f"backward: block {i}", waits))
+            last = out.add(Compute(_share(work, unit.share), f"backward: block {i}", waits))
             if prefetch == "BACKWARD_POST" and nxt is not None and plan.reshards(nxt[1]) and nxt[0] not in gathered:
                 gathered[nxt[0]] = out.add(plan.gather(nxt[1], backward=True))
             if sync:

@@ -72,6 +72,7 @@ def simulate(events: Sequence[Event], profile: DeviceProfile, ranks_on_node: int
     """The step's time on ``profile`` (see the module)."""
     if not profile.asynchronous:
         return _in_turn(events, profile, ranks_on_node)
+    timed = _Timed(profile)
     host = device = 0.0
     links: dict[int, float] = {}
     starts: list[float] = []
@@ -91,7 +92,7 @@ def simulate(events: Sequence[Event], profile: DeviceProfile, ranks_on_node: int
                 continue
             issued = host
             host += host_seconds(event.work, profile)
-            seconds = device_seconds(event.work, profile)
+            seconds = timed.device(event.work)
             start = max(device, issued, waits)
             device = max(start + seconds, host)
             compute += seconds
@@ -116,15 +117,30 @@ def simulate(events: Sequence[Event], profile: DeviceProfile, ranks_on_node: int
                     host, host_optimizer)
 
 
+class _Timed:
+    """Device seconds of each Work object, worked out once: every block's events share one."""
+
+    def __init__(self, profile: DeviceProfile) -> None:
+        self.profile = profile
+        self._seconds: dict[int, tuple[Work, float]] = {}
+
+    def device(self, work: Work) -> float:
+        known = self._seconds.get(id(work))
+        if known is None or known[0] is not work:
+            known = self._seconds[id(work)] = (work, device_seconds(work, self.profile))
+        return known[1]
+
+
 def _in_turn(events: Sequence[Event], profile: DeviceProfile, ranks_on_node: int) -> StepTime:
     """A CPU's step: each operator and each collective in turn on the rank's own cores."""
+    timed = _Timed(profile)
     compute = comm = host = host_optimizer = 0.0
     for event in events:
         if isinstance(event, Compute):
             if event.on_host:
                 host_optimizer += host_optimizer_seconds(event.work, profile, ranks_on_node)
                 continue
-            compute += device_seconds(event.work, profile)
+            compute += timed.device(event.work)
             host += host_seconds(event.work, profile)
         else:
             comm += comm_seconds(event, profile)

@@ -30,11 +30,9 @@ COMPILE_NOTE = "compile_as_eager"
 
 
 class FakeStepFigures:
-    """Every fake-step figure of one study, by class and micro batch; each fake step is made once.
-
-    Thread-safe: fake steps may run several at a time (:meth:`prefetch`), each
-    in its own process forked from the fork server, on the cores it is given.
-    """
+    """Every fake-step figure of one study, by class and micro batch; each fake step is made once. Thread-safe:
+    fake steps may run several at a time (:meth:`prefetch`), each in its own process forked from the fork server,
+    on the cores it is given."""
 
     def __init__(self, estimator: Any, micro_batches: tuple[int, ...], say: Callable[[str], None]) -> None:
         self.estimator = estimator
@@ -46,16 +44,17 @@ class FakeStepFigures:
         self._running: dict[tuple[str, int], threading.Event] = {}
         self._lock = threading.Lock()
         # Fake steps run, and the seconds they took.
-        self.steps = 0
-        self.seconds = 0.0
+        self.steps, self.seconds = 0, 0.0
         self._background: threading.Thread | None = None
         self._stop = threading.Event()
-        # Every fake step that ran: (configuration, peak bytes).
+        # Every fake step that ran: (configuration, peak bytes); seconds the run's main thread spent waiting for
+        # fake steps (what estimates cost the search).
         self.points: list[tuple[FsdpConfig, int]] = []
-        # Seconds the run's main thread spent waiting for fake steps: what estimates cost the search.
         self.waited_s = 0.0
         # Each cause of a failed fake step, and how many it stopped.
         self.failures: dict[str, int] = {}
+        # Called with each fake step's configuration and answer (the speed model takes the work it counted).
+        self.on_answer: list[Callable[[FsdpConfig, dict[str, Any]], None]] = []
 
     def known(self, cfg: FsdpConfig) -> dict[str, Any] | None:
         """The figure of ``cfg`` from fake steps already run: its own, or interpolated in its class."""
@@ -148,6 +147,8 @@ class FakeStepFigures:
         if "error" not in result:
             with self._lock:
                 self.points.append((cfg.replace(compile=False), int(result["peak_bytes"])))
+            for take in self.on_answer:
+                take(cfg.replace(compile=False), result)
         if "error" in result:
             self._failed(cfg, str(result["error"]))
 

@@ -39,6 +39,7 @@ from autotune.study.baseline import as_params
 from autotune.study.planned_sampler import PlannedSampler
 from autotune.study.search import ModelSearch
 from autotune.study.space import SearchSpace
+from autotune.study.speed_checks import SpeedWatch
 from autotune.study.trial_depth import DepthPlan, StudyDepth
 from autotune.units import format_bytes
 
@@ -154,6 +155,14 @@ def record_extrapolated(trial: optuna.Trial, result: TrialResult, budget_bytes: 
             f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
 
 
+def record_interruption(trial: optuna.Trial, exc: KeyboardInterrupt) -> None:
+    """Ctrl-C or SIGTERM during a trial (later signals are ignored, so this is recorded): Optuna marks the trial
+    FAIL and re-raises."""
+    name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
+    trial.set_user_attr(Attr.CAUSE, Cause.INTERRUPTED)
+    trial.set_user_attr(Attr.ERROR, f"the tuner was stopped by {name} during this trial; it was queued to run again")
+
+
 def topology_of(settings: RunSettings, model: ModelInfo) -> Topology:
     """What decides which configurations of this run are one program."""
     return Topology(settings.world_size, settings.study.nnodes, model.num_params, model.num_layers)
@@ -164,13 +173,15 @@ class Objective:
 
     def __init__(self, study: optuna.Study, settings: RunSettings, host: HostInfo, model: ModelInfo, *,
                  launch: LaunchFn, gate: MemoryGate, claims: Claims, reporter: Reporter, folder: Path,
-                 search: ModelSearch | None = None, sampler: PlannedSampler | None = None) -> None:
+                 search: ModelSearch | None = None, sampler: PlannedSampler | None = None,
+                 speed: SpeedWatch | None = None) -> None:
         self.study, self.settings, self.host, self.model = study, settings, host, model
         self.launch, self.gate, self.claims, self.reporter = launch, gate, claims, reporter
+        # Predictions before each launch, calibration after it (inert without a speed model).
+        self.speed = speed or SpeedWatch(None, self.best_value)
         self.folder = folder
         self.topology = topology_of(settings, model)
-        # autotune's own search proposes each draw (the sampler delivers it);
-        # without it, the study's Optuna sampler draws.
+        # autotune's own search proposes each draw (the sampler delivers it); without it, Optuna's sampler draws.
         self.search, self.sampler = search, sampler
         # How search trials meet the model's depth (the runner hands in the study's plan).
         self.depth = StudyDepth(DepthPlan("full", model.num_layers))
@@ -181,12 +192,7 @@ class Objective:
         try:
             return self._run(trial)
         except KeyboardInterrupt as exc:
-            # Ctrl-C or SIGTERM (later signals are ignored, so this is recorded):
-            # Optuna marks the trial FAIL and re-raises.
-            name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
-            trial.set_user_attr(Attr.CAUSE, Cause.INTERRUPTED)
-            trial.set_user_attr(Attr.ERROR, f"the tuner was stopped by {name} during this trial; it was queued to run "
-                                            "again")
+            record_interruption(trial, exc)
             raise
 
     def _run(self, trial: optuna.Trial) -> float:
@@ -200,6 +206,7 @@ class Objective:
             reason = self.gate.check(trial, cfg)
             if reason is not None:
                 self._tally(predicted_over=1)
+        reason = reason or self.speed.before_launch(trial, cfg, may_skip=Attr.BASELINE not in trial.user_attrs)
         if reason is not None:
             self._tally(pruned=1, idle=True)
             trial.set_user_attr(Attr.PRUNE_REASON, reason)
@@ -260,6 +267,8 @@ class Objective:
     def _record(self, trial: optuna.Trial, cfg: FsdpConfig, result: TrialResult, best: float | None) -> float:
         self._note_crash(trial, result)
         budget = self.settings.study.budget_bytes
+        if result.status == Status.OK:
+            self.speed.after_measure(trial, cfg, result)
         if result.status == Status.OK and result.depth_points:
             self._line(trial, cfg, record_extrapolated(trial, result, budget))
             self.depth.after_trial(result.depth_points, result.line_check)

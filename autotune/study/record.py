@@ -107,6 +107,10 @@ class Attr:
     PREDICTION_METHOD = "prediction_method"
     PREDICTION_MARGIN = "prediction_margin"
     FIT_CHANCE = "fit_chance"  # below 1: predicted near the budget, launched to find out
+    # The speed prediction made before launch (autotune.speed.SpeedPrediction.to_dict(): tokens/s, its interval,
+    # MFU, where the time goes, the profile and how calibrated), beside the measurement the trial makes.
+    PREDICTED_SPEED = "predicted_speed"
+    PREDICTED_TOKENS_PER_S = "predicted_tokens_per_s"
     # A shallow trial (autotune.depth): its tokens/s and step time are the line through its copies, extended.
     EXTRAPOLATED = "extrapolated"  # True on such a trial
     DEPTH_POINTS = "depth_points"  # each copy's DepthPoint.to_dict()
@@ -145,12 +149,18 @@ class StudyAttr:
     ESTIMATE_COSTS = "estimate_costs"
     # How the search's trials meet the model's depth (autotune.study.trial_depth.DepthPlan.to_dict()).
     TRIAL_DEPTH = "trial_depth"
+    # The speed model at the end of the last run: its profile, refitted efficiencies and uncertainty.
+    SPEED_MODEL = "speed_model"
+    # Configurations never launched because their predicted speed, high side included, was below the best
+    # measured: [{"label", "config", "predicted_tokens_per_s", "high", "best", "reason"}].
+    SKIPPED_SLOW = "skipped_slow"
 
 
 # What a reused trial copies from the trial that measured its configuration:
 # the measurement, not when, where or by whom it ran.
 NOT_REUSED = (Attr.CONFIG, Attr.LABEL, Attr.BASELINE, Attr.RUNNER, Attr.CLAIMED, Attr.STARTED_AT, Attr.ENDED_AT,
-              Attr.DEVICES, Attr.WALL_S, Attr.RETRY_OF, Attr.CONFIRMATION_ROUND, Attr.CONFIRMATION_ROLE)
+              Attr.DEVICES, Attr.WALL_S, Attr.RETRY_OF, Attr.CONFIRMATION_ROUND, Attr.CONFIRMATION_ROLE,
+              Attr.PREDICTED_SPEED, Attr.PREDICTED_TOKENS_PER_S)
 # Copied from a TrialResult onto a measured trial.
 MEASURED = (Attr.NNODES, Attr.NPROC_PER_NODE, Attr.MESH_SHAPE, Attr.TOKENS_PER_S, Attr.STEP_TIME_MEDIAN_S,
             Attr.STEP_TIME_P10_S, Attr.STEP_TIME_P90_S, Attr.STEP_TIME_CV,

@@ -35,13 +35,18 @@ from autotune.study.claims import Claims, recover_stale_trials, settle_interrupt
 from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate
 from autotune.study.settings import RunSettings, checked_for_resume, load_or_create_study, make_sampler
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed, topology_of
-from autotune.study.record import StudyAttr, is_extrapolated, search_trials
+from autotune.study.record import StudyAttr, best_search_trial, is_extrapolated, search_trials
 from autotune.study.confirm import MAX_FINALISTS
 from autotune.study.progress import Reporter
 from autotune.study.held_configs import held_keys
 from autotune.study.planned_sampler import PlannedSampler
 from autotune.study.priors import host_priors
 from autotune.study.search import ModelSearch
+from autotune.study.predicted_priors import PredictedPriors
+from autotune.study.speed_checks import SpeedWatch
+from autotune.study.speed_oracle import SpeedOracle
+from autotune.speed.fsdp_schedule import Placement
+from autotune.speed.host_profile import host_profile, nearest_named
 from autotune.study.verdict import Role, Verdict, store_verdict
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper, StopReason
 from autotune.study.trial_depth import DepthPlan, StudyDepth, plan_depths
@@ -78,6 +83,7 @@ class _Parts:
     stopper: Stopper
     forks: ForkServer | None
     search: ModelSearch | None
+    speed: SpeedWatch
 
 
 def torchrun_launch(settings: RunSettings, host: HostInfo, forks: ForkServer | None) -> LaunchFn:
@@ -147,6 +153,7 @@ def run_study(
         if owned is not None:
             owned.close()
         _record_exclusions(parts)
+        parts.speed.record(parts.study)
         plan = parts.gate.plan
         parts.study.set_user_attr(StudyAttr.ESTIMATE_COSTS, {
             "fake_steps": plan.fake_steps, "fake_step_s": plan.fake_step_s, "estimate_wait_s": plan.estimate_wait_s,
@@ -173,21 +180,39 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     gate = MemoryGate(study, settings.study.space, model.layer_classes, settings.study.budget_bytes, host.device_type,
                       estimator if settings.search.use_estimate else None, reporter.say, estimate_cores(settings, host))
     candidates = runnable_classes(settings, host, model)
+    oracle = speed_oracle(settings, host, model, gate)
+    speed = SpeedWatch(oracle, lambda: best.value if (best := best_search_trial(study)) is not None else None)
     search = None
     if settings.search.sampler == "autotune":
         priors = host_priors(host, settings.study.seq_len)
-        search = ModelSearch(candidates, model.layer_classes, gate, priors, seed=settings.search.seed,
-                             use_frontier=settings.search.seed_frontier, say=reporter.say)
+        search = ModelSearch(candidates, model.layer_classes, gate,
+                             PredictedPriors(priors, oracle, candidates, settings.search.seed) if oracle else priors,
+                             seed=settings.search.seed, use_frontier=settings.search.seed_frontier, say=reporter.say,
+                             hopeless=speed.hopeless)
     objective = Objective(study, settings, host, model, launch=launch or torchrun_launch(settings, host, forks),
                           gate=gate, claims=Claims(study, study_mutex(study, folder / "claims.lock"),
                                         settings.execution.trial_timeout_s + 60),
                           reporter=reporter, folder=folder, search=search,
-                          sampler=sampler if search is not None and isinstance(sampler, PlannedSampler) else None)
+                          sampler=sampler if search is not None and isinstance(sampler, PlannedSampler) else None,
+                          speed=speed)
     objective.depth = StudyDepth(depth_plan(study, settings, model, reporter.say),
                                  lambda plan: study.set_user_attr(StudyAttr.TRIAL_DEPTH, plan), reporter.say)
     space_keys = {c.key() for c in candidates} if len(candidates) <= 4 * MAX_IDLE_DRAWS or search else None
     stopper = Stopper(objective.counts, settings.search.trials, space_keys, reporter, search)
-    return _Parts(study, settings, host, model, reporter, gate, objective, stopper, forks, search)
+    return _Parts(study, settings, host, model, reporter, gate, objective, stopper, forks, search, speed)
+
+
+def speed_oracle(settings: RunSettings, host: HostInfo, model: ModelInfo, gate: MemoryGate) -> SpeedOracle | None:
+    """The study's speed model: this host's profile (what its probe measured; on a GPU host without
+    measurements, the nearest named GPU's), fed the work of every fake step the memory gate makes. None where
+    neither can be had."""
+    profile = host_profile(host) or (nearest_named(host.device_name) if host.device_type == "cuda" else None)
+    if profile is None:
+        return None
+    oracle = SpeedOracle(model, profile, Placement(settings.world_size, settings.study.nnodes),
+                         settings.grad_accum_steps)
+    gate.figures.on_answer.append(oracle.take)
+    return oracle
 
 
 def depth_plan(study: optuna.Study, settings: RunSettings, model: ModelInfo, say: Callable[[str], None]) -> DepthPlan:

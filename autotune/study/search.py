@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import optuna
@@ -66,8 +66,9 @@ class ModelSearch:
     """Proposes the unmeasured, runnable configuration with the largest expected improvement."""
 
     def __init__(self, candidates: list[FsdpConfig], layer_classes: tuple[str, ...],
-                 gate: FitOracle | Callable[[FsdpConfig], tuple[float, str | None]], priors: Priors, seed: int = 0,
-                 use_frontier: bool = True, say: Callable[[str], None] = lambda _: None) -> None:
+                 gate: FitOracle | Callable[[FsdpConfig], tuple[float, str | None]], priors: Priors | Any,
+                 seed: int = 0, use_frontier: bool = True, say: Callable[[str], None] = lambda _: None,
+                 hopeless: Callable[[FsdpConfig], str | None] = lambda cfg: None) -> None:
         self.candidates = candidates
         self.layer_classes = layer_classes
         # The memory gate (or a plain fit_chance, from tests and tools).
@@ -75,6 +76,8 @@ class ModelSearch:
         self.fit_chance = self.gate.fit_chance
         self.priors = priors
         self.say = say
+        # Why a configuration's predicted speed is not worth a launch (autotune.study.speed_checks), or None.
+        self.hopeless = hopeless
         # Where the search starts, planned a strategy at a time.
         self.plan = FrontierPlan(candidates, self.gate, priors, say, SPECULATED // 2, use_frontier)
         self.excluded: dict[str, str] = {}
@@ -83,7 +86,6 @@ class ModelSearch:
         # Every candidate's features, once: a proposal scores thousands of them.
         self._features = self._encoder.encode(candidates)
         self._index = {c.key(): i for i, c in enumerate(candidates)}
-        self._prior = self._encoder.prior(priors)
         self.exhausted = False
         # The proposal made by :meth:`has_next`, handed to the next draw.
         self._next: FsdpConfig | None = None
@@ -122,6 +124,9 @@ class ModelSearch:
         # Where experts start, before any model, planned a strategy at a time: recomputed on
         # resume, so a frontier configuration measured in an earlier run is not proposed again.
         seed = self.plan.next_seed(open_keys)
+        while seed is not None and self._ruled_out_as_slow(seed):
+            open_keys.discard(seed.key())
+            seed = self.plan.next_seed(open_keys)
         if seed is not None:
             return seed
         scores, has_data = self._expected_improvement(study, remaining)
@@ -151,6 +156,8 @@ class ModelSearch:
             if scores[index] <= best_score:
                 break
             cfg = remaining[index]
+            if self._ruled_out_as_slow(cfg):
+                continue
             free = self.gate.free_chance(cfg)
             if free is None:
                 if defer and self.gate.probably_over(cfg):
@@ -173,14 +180,21 @@ class ModelSearch:
                 break
         return best
 
+    def _ruled_out_as_slow(self, cfg: FsdpConfig) -> bool:
+        reason = self.hopeless(cfg)
+        if reason is not None:
+            self.excluded[cfg.key()] = reason
+        return reason is not None
+
     def _expected_improvement(self, study: optuna.Study, remaining: list[FsdpConfig]) -> tuple[np.ndarray, bool]:
         """Each candidate's expected improvement in log tokens/s, and whether
-        any data backs it (before any, the prior's predicted effect)."""
+        any data backs it (before any, the prior's predicted effect: the step-time model's, where it predicts)."""
         xs, ys = observations(study, self._encoder)
         features = self._features[[self._index[c.key()] for c in remaining]]
+        prior = self._encoder.prior(self.priors)
         if not ys:
-            return features @ self._prior, False
-        mean, sd = posterior(np.array(xs), np.array(ys), features, self._prior)
+            return features @ prior, False
+        mean, sd = posterior(np.array(xs), np.array(ys), features, prior)
         best = max(ys)
         z = (mean - best) / sd
         return sd * (z * normal_cdf(z) + normal_pdf(z)), True
