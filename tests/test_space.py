@@ -138,3 +138,36 @@ def test_a_global_batch_keeps_only_the_micro_batches_that_divide_it():
     # One line naming the value, what the space offered and the micro batches that would do.
     assert str(refused.value).startswith("--global-batch-size 12: ") and "4, 8" in str(refused.value)
     assert "1, 2, 3, 6" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_independent_dimensions_are_crossed_in_after_the_rest_is_made_canonical():
+    """No equivalence rule reads cpu_offload, compile or micro_batch_size and each is its own simplest value: the
+    enumeration that crosses them in last finds the classes that making every combination canonical finds (on a
+    space with two or more values in every dimension)."""
+    import itertools
+
+    import yaml
+
+    from autotune.config.dimensions import DIMENSIONS, simplest_fields
+    from autotune.config.fsdp_configuration import DEFAULTS
+    from autotune.study.equivalence import Topology
+    from autotune.study.space import INDEPENDENT, parse_space
+
+    space = parse_space(yaml.safe_load(
+        "fsdp_version: [1, 2]\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD]\n"
+        "auto_wrap_policy: [transformer_layer, size_based, none]\nmin_num_params: [1000, 100000000]\n"
+        "mixed_precision: [fp32, bf16]\nactivation_checkpointing: [none, every_other_layer]\n"
+        "forward_prefetch: [false, true]\nbackward_prefetch: [BACKWARD_PRE, none]\nlimit_all_gathers: [true, false]\n"
+        "shard_group_size: [node, 2]\ncpu_offload: [false, true]\ncompile: [false, true]\n"
+        "reshard_group_size: [all, 2]\nmicro_batch_size: [1, 4]\n"), "every-dimension.yaml")
+    names = [d.name for d in DIMENSIONS]
+    for topology in (Topology(2, 1, 3_688_704, 4), Topology(8, 2, 10_000_000, 1)):
+        fast = {tuple(c.to_dict()[n] for n in names) for c in space.enumerate(("Block",), topology)}
+        naive = set()
+        for values in itertools.product(*(space.choices.get(n, (DEFAULTS[n],)) for n in names)):
+            fields = dict(zip(names, values))
+            fields = {d.name: (fields[d.name] if d.applies(fields) else DEFAULTS[d.name]) for d in DIMENSIONS}
+            canonical = simplest_fields(fields, topology)
+            naive.add(tuple(canonical[n] for n in names))
+        assert fast == naive, topology
+    assert set(INDEPENDENT) <= set(names)

@@ -237,6 +237,14 @@ class MemoryGate:
             self.figures.estimator = None
 
 
+def plan_needs(gate: MemoryGate) -> list[FsdpConfig]:
+    """The fake steps the plan makes (:func:`plan_run`): the hungriest configuration, and the most frugal one at
+    the smallest and largest micro batch."""
+    frugal = frugal_config(gate.space, gate.layer_classes)
+    return [hungriest_config(gate.space, gate.layer_classes), *(frugal.replace(micro_batch_size=m)
+                                                               for m in gate.figures.ends)]
+
+
 def plan_run(gate: MemoryGate) -> GatePlan:
     """Is every configuration predicted to fit with room to spare (then none needs an
     estimate), and what is the largest micro batch that may fit at all?"""
@@ -246,9 +254,8 @@ def plan_run(gate: MemoryGate) -> GatePlan:
     gate.refresh()
     gate.figures.load(gate.study)
     hungriest = hungriest_config(gate.space, gate.layer_classes)
-    frugal = frugal_config(gate.space, gate.layer_classes)
     # No trial runs yet: the plan's fake steps share every core.
-    gate.prefetch([hungriest, *(frugal.replace(micro_batch_size=m) for m in gate.figures.ends)])
+    gate.prefetch(plan_needs(gate))
     prediction = gate.prediction(hungriest)
     plan.active = True
     if prediction is None:

@@ -32,7 +32,7 @@ from autotune.config import FsdpConfig
 from autotune.study.baseline import as_params, enqueue_baseline, standard_recipe
 from autotune.study.equivalence import canonical
 from autotune.study.claims import Claims, recover_stale_trials, settle_interrupted
-from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate
+from autotune.study.gate import Cores, Estimator, GatePlan, MemoryGate, plan_needs
 from autotune.study.settings import RunSettings, checked_for_resume, load_or_create_study, make_sampler
 from autotune.study.objective import LaunchFn, Objective, RunCounts, TrialFailed, topology_of
 from autotune.study.record import StudyAttr, best_search_trial, is_extrapolated, search_trials
@@ -269,21 +269,21 @@ def runnable_classes(settings: RunSettings, host: HostInfo, model: ModelInfo) ->
 
 def _search(parts: _Parts, on_trial_complete) -> None:
     study, settings = parts.study, parts.settings
-    parts.gate.start()
-    if parts.search is not None and parts.gate.plan.active and not study.get_trials(deepcopy=False):
-        # Before the first trial every core is free: the fake steps of the standard recipe and of the
-        # frontier's first strategy are made side by side now, so that no launch waits for them after
-        # the recipe's trial (a CPU trial leaves no core to make them meanwhile: 80 s between the first
-        # two launches of a gated Qwen2 study); the other strategies' in the background while it runs.
+    first_run = parts.search is not None and parts.gate.estimator is not None and not study.get_trials(deepcopy=False)
+    if first_run:
+        # Before the first trial every core is free: the fake steps the first launch needs (the space's
+        # hungriest and most frugal configurations, for the gate's plan, and the standard recipe's ends, for its
+        # micro batch) are made side by side, and nothing else: the recipe launches as soon as its micro batch is
+        # known, and the frontier's questions are answered while it runs.
         recipe = standard_recipe(parts.host, parts.model.layer_classes, settings.study.space)
         sizes = sorted(settings.study.space.choices.get("micro_batch_size", (1,)))
-        first = [recipe.replace(micro_batch_size=m) for m in (sizes[0], sizes[-1])] + parts.search.plan.frugal_needs()
-        parts.reporter.say(f"Planning the first launches: memory estimates of the standard recipe and of each "
-                           f"strategy's least hungry configuration ({len(first)} fake steps, then the first "
-                           "strategy's span)")
-        parts.gate.prefetch(first)
-        parts.gate.prefetch(parts.search.plan.span_needs())
-        parts.gate.speculate(parts.search.plan.first_needs())
+        needs = [*plan_needs(parts.gate), *(recipe.replace(micro_batch_size=m) for m in (sizes[0], sizes[-1]))]
+        parts.reporter.say(f"Planning the first launch: memory estimates of the space's extremes and the standard "
+                           f"recipe ({len(needs)} fake steps)")
+        parts.gate.prefetch(needs)
+    parts.gate.start()
+    if first_run and parts.gate.plan.active:
+        _plan_the_frontier(parts)
     # Several tuners may start on one study at once: one of them enqueues the first trials.
     with parts.objective.claims.mutex():
         if not study.get_trials(deepcopy=False):
@@ -310,6 +310,22 @@ def _search(parts: _Parts, on_trial_complete) -> None:
     parts.reporter.start_bar()
     study.optimize(parts.objective, callbacks=[_after_trial(parts, on_trial_complete), parts.stopper],
                    catch=(TrialFailed,), n_jobs=max(1, len(settings.execution.slots)))
+
+
+def _plan_the_frontier(parts: _Parts) -> None:
+    """The frontier's first fake steps: each strategy's least hungry configuration, then the first strategy's
+    span. In the background while the standard recipe runs, when it may fit (a CPU trial leaves cores to them only
+    between its timed steps); before the first launch when it cannot, since the frontier's first is then the
+    first launch."""
+    assert parts.search is not None  # a first run of autotune's own search
+    recipe = standard_recipe(parts.host, parts.model.layer_classes, parts.settings.study.space, parts.gate.fit_chance)
+    if parts.gate.fit_chance(recipe)[0] > 0.0:
+        parts.gate.speculate([*parts.search.plan.frugal_needs(), *parts.search.plan.first_needs()])
+        return
+    parts.reporter.say("The standard recipe cannot fit: planning the frontier's first strategy before the first launch")
+    parts.gate.prefetch(parts.search.plan.frugal_needs())
+    parts.gate.prefetch(parts.search.plan.span_needs())
+    parts.gate.speculate(parts.search.plan.first_needs())
 
 
 def _enqueue_frontier(parts: _Parts) -> None:

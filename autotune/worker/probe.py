@@ -22,7 +22,7 @@ from autotune.worker.link_probe import measure_links
 from autotune.worker.rate_probe import measure_rates
 
 
-def time_matmul(dtype, device, size: int = 384, repeats: int = 8) -> float:
+def time_matmul(dtype, device, size: int = 256, repeats: int = 6) -> float:
     """Seconds per ``size`` x ``size`` matmul in ``dtype``, after two untimed ones."""
     import torch
 
@@ -118,10 +118,15 @@ def describe_rates(info: dict, hidden_size: int, device, nproc: int | None) -> N
     else:
         fast = "bf16" if (info["bf16_speedup"] or 0) >= 1.0 else "fp32"
     threads = max(1, info["cpu_count"] // (nproc or (info["cuda_device_count"] if cuda else 2) or 1))
-    dtypes = {"fp32": torch.float32, **({"bf16": torch.bfloat16} if info["bf16_supported"] else {}),
-              **({"fp16": torch.float16} if info["fp16_supported"] else {})}
+    dtypes = {"fp32": torch.float32, **({"bf16": torch.bfloat16} if info["bf16_supported"] else {})}
+    # fp16 is not timed again: a GPU runs it on bf16's tensor cores, a CPU at the speed-up measured above.
+    derived = {}
+    if info["fp16_supported"] and cuda and "bf16" in dtypes:
+        derived["fp16"] = ("bf16", 1.0)
+    elif info["fp16_supported"] and not cuda:
+        derived["fp16"] = ("fp32", float(info.get("fp16_speedup") or 1.0))
     with gpu_held(info.get("device_uuids")):
-        info["rates"] = measure_rates(hidden_size, device, threads, dtypes)
+        info["rates"] = measure_rates(hidden_size, device, threads, dtypes, derived)
     info["saturation"] = saturation_from(info["rates"]["matmul"][fast], hidden_size)
 
 
