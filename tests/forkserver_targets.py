@@ -40,3 +40,18 @@ def count_linear_work(argv: list[str]) -> None:
     with moments.saved_tensors_hooks(), counter:
         model(x).sum().backward()
     print(json.dumps({key: work.to_dict() for key, work in counter.regions.items()}))
+
+
+def count_conv_work(argv: list[str]) -> None:
+    """The work counter on a Conv2d(3 -> 8, 3x3) over 2 x 3 x 16 x 16 fp32, forward only: one region's Work."""
+    import torch
+
+    from autotune.worker.step_moments import StepMoments
+    from autotune.worker.work_counter import WorkCounter
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, bias=False))
+    moments = StepMoments(model, torch.optim.SGD(model.parameters(), lr=0.1), [model[0]]).watch(1)
+    counter = WorkCounter(moments, micro_batch_size=2, seq_len=16)
+    with torch.no_grad(), counter:
+        model(torch.randn(2, 3, 16, 16))
+    print(json.dumps({key: work.to_dict() for key, work in counter.regions.items()}))

@@ -101,3 +101,22 @@ def test_shallow_trials_quick_sets_the_line_beside_the_full_depth(tmp_path):
     bench("shallow_trials.py", "--out", str(out), cwd=tmp_path)
     report = out.read_text()
     assert "extrapolated tok/s" in report and "Spearman" in report and ("PASS" in report or "MISS" in report)
+
+
+def test_speed_prediction_quick_scores_every_part(tmp_path):
+    out = tmp_path / "speed.md"
+    bench("speed_prediction.py", "--out", str(out), cwd=tmp_path)
+    report = out.read_text()
+    for part in ("## The measured table", "## A deeper model, measured here", "## The search, replayed on the table",
+                 "## Named GPUs against published figures", "## Scale: llama-70b on 64 ranks"):
+        assert part in report, part
+    assert "Spearman" in report and "targets met" in report and ("PASS" in report or "MISS" in report)
+    assert "| own H200 | Llama 3.2 1B shape, 1 rank: bf16, no AC, mbs 2 | h200 |" in report
+
+
+def test_tuner_speed_quick_times_the_first_launch_and_both_estimates(tmp_path):
+    out = tmp_path / "tuner.md"
+    bench("tuner_speed.py", "--out", str(out), cwd=tmp_path)
+    report = out.read_text()
+    assert "| 1 |" in report and "first launch within 15 s" in report
+    assert "7b estimate within 15 s" in report and "70b estimate within 20 s" in report

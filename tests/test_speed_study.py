@@ -123,3 +123,16 @@ def test_nothing_is_ruled_out_before_the_profile_is_calibrated():
     assert hopeless_reason(prediction, 100.0, MIN_CALIBRATION - 1) is None
     assert "below the best measured 100" in hopeless_reason(prediction, 100.0, MIN_CALIBRATION)
     assert hopeless_reason(prediction, 15.0, MIN_CALIBRATION) is None  # within its interval: launched
+
+
+def test_a_resumed_study_calibrates_on_the_trials_it_measured_before(tmp_path):
+    storage = optuna.storages.InMemoryStorage()
+    first = run_study(settings(tmp_path, SPACE, trials=4, use_estimate=True), HOST, MODEL,
+                      launch=ScriptedLaunch(measured), estimator=Estimator(), storage=storage)
+    before = len([t for t in first.study.trials if t.state == TrialState.COMPLETE])
+    second = run_study(settings(tmp_path, SPACE, trials=6, use_estimate=True), HOST, MODEL,
+                       launch=ScriptedLaunch(measured), estimator=Estimator(), storage=storage)
+    after = len([t for t in second.study.trials if t.state == TrialState.COMPLETE])
+    # The first run's trials calibrate the second's model (which may then find every configuration left hopeless).
+    assert after >= before >= MIN_CALIBRATION
+    assert second.study.user_attrs[StudyAttr.SPEED_MODEL]["calibration_trials"] == after

@@ -63,6 +63,15 @@ def test_a_linear_layers_flops_and_a_relus_bytes_are_what_they_should_be(forks):
     assert any(s.token_dim == "k" and s.k == 8 for s in backward.matmuls)
 
 
+def test_an_operator_torchs_flop_counter_knows_is_counted_by_its_formula(forks):
+    code, output = run_forked(forks, "tests.forkserver_targets:count_conv_work", [], 120)
+    assert code == 0, output
+    forward = Work.from_dict(json.loads(output.strip().splitlines()[-1])["forward0/0"])
+    # Each of the 2 x 8 x 14 x 14 outputs is a 3 x 3 x 3 dot product: 2 FLOPs a term.
+    assert forward.other_flops == {"fp32": 2 * (2 * 8 * 14 * 14) * (3 * 3 * 3)}
+    assert forward.flops() == 2 * (2 * 8 * 14 * 14) * (3 * 3 * 3)
+
+
 def test_a_llama_blocks_flops_are_the_hand_computed_ones(step):
     work = counted(step(micro_batch_size=2))
     tokens = 2 * SEQ

@@ -284,6 +284,7 @@ def _search(parts: _Parts, on_trial_complete) -> None:
     parts.gate.start()
     if first_run and parts.gate.plan.active:
         _plan_the_frontier(parts)
+    parts.speed.resume(study)
     # Several tuners may start on one study at once: one of them enqueues the first trials.
     with parts.objective.claims.mutex():
         if not study.get_trials(deepcopy=False):

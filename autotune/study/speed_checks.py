@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import optuna
 
-from autotune.config import FsdpConfig, TrialResult
+from autotune.config import FsdpConfig, Status, TrialResult
 from autotune.speed.prediction import SpeedPrediction
 from autotune.study.record import Attr, StudyAttr
 from autotune.study.speed_oracle import SpeedOracle
@@ -76,6 +76,22 @@ class SpeedWatch:
         """A measured step calibrates the profile."""
         if self.oracle is not None and result.tokens_per_s and result.tokens_per_step:
             self.oracle.observe(trial.number, cfg, result.tokens_per_step / result.tokens_per_s)
+
+    def resume(self, study: optuna.Study) -> None:
+        """A resumed study's measured trials calibrate the profile as this run's will (once the speed model has
+        work to predict them from: after the gate's first fake steps)."""
+        from optuna.trial import TrialState
+
+        from autotune.study.record import is_confirmation, trial_config
+
+        if self.oracle is None or not self.oracle.known():
+            return
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            cfg, tokens = trial_config(t), t.user_attrs.get(Attr.TOKENS_PER_STEP)
+            if cfg is not None and tokens and t.value and not is_confirmation(t) and Attr.REUSED_FROM not in \
+                    t.user_attrs and t.user_attrs.get(Attr.STATUS) == Status.OK:
+                self.oracle.observe(t.number, cfg, tokens / t.value, refit_now=False)
+        self.oracle.refit()
 
     def record(self, study: optuna.Study) -> None:
         """The speed model as it ends the run, and what it skipped, in the study."""

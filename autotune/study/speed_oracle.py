@@ -109,8 +109,8 @@ class SpeedOracle:
                        self.micro_batches(cfg.micro_batch_size), self.profile,
                        "own fake step" if own else f"derived from {stepped.describe()}", spread)
 
-    def observe(self, trial_number: int, cfg: FsdpConfig, step_seconds: float) -> None:
-        """A measured trial: a calibration sample, and the profile refitted to every sample so far."""
+    def observe(self, trial_number: int, cfg: FsdpConfig, step_seconds: float, refit_now: bool = True) -> None:
+        """A measured trial: a calibration sample, and (``refit_now``) the profile refitted to every sample so far."""
         basis = self._basis(cfg)
         if basis is None or not step_seconds > 0:
             return
@@ -120,6 +120,12 @@ class SpeedOracle:
                           self.micro_batches(cfg.micro_batch_size))
         with self._lock:
             self._samples[trial_number] = Sample(events, self.placement.node_size, step_seconds)
+        if refit_now:
+            self.refit()
+
+    def refit(self) -> None:
+        """The profile refitted to every sample so far."""
+        with self._lock:
             samples = list(self._samples.values())
         fitted = refit(self.base, samples)
         with self._lock:

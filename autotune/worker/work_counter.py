@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 from autotune.config.step_work import RECOMPUTE, AttentionShape, CollectiveCall, MatmulShape, StepWork, Work
 from autotune.worker.step_moments import StepMoments
@@ -123,7 +124,20 @@ class WorkCounter(TorchDispatchMode):
             return
         if kind == "attention" and self._attention(work, name, args, kwargs):
             return
+        if kind == "counted" and self._counted(work, func, args, kwargs, out):
+            return
         self._memory_bound(work, name, func, args, kwargs, out)
+
+    def _counted(self, work: Work, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+        """An operator torch's flop counter has a formula for (a convolution): its FLOPs, by its input's dtype."""
+        try:
+            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        except Exception:  # noqa: BLE001 - a formula that cannot read these arguments: counted as bytes instead
+            return False
+        first = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor)), None)
+        dtype = dtype_name(first.dtype) if first is not None else "fp32"
+        work.other_flops[dtype] = work.other_flops.get(dtype, 0.0) + flops
+        return True
 
     def _matmul(self, work: Work, name: str, args: tuple) -> bool:
         dims = matmul_dims(name, args)
@@ -218,6 +232,8 @@ def operator_kind(func: Any) -> tuple[str, str]:
         kind = "matmul"
     elif name in NO_KERNEL or getattr(func, "is_view", False):
         kind = "view"
+    elif getattr(func, "overloadpacket", None) in flop_registry:
+        kind = "counted"
     else:
         kind = "kernel"
     return kind, name
