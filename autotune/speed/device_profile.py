@@ -143,9 +143,13 @@ class DeviceProfile:
     # Whether a collective runs beside compute: on a GPU, on its own stream; on a CPU, on the same cores.
     comm_overlaps_compute: bool
     host_to_device_bytes_per_s: float = 25e9
-    # The host that runs an offloaded optimizer step: its memory bandwidth and seconds per operator.
+    # The host that runs an offloaded optimizer step: the memory bandwidth one process reaches, the node's that its
+    # ranks share, and seconds per operator.
     host_memory_bytes_per_s: float = 20e9
+    host_node_memory_bytes_per_s: float = 20e9
     host_op_s: float = 10e-6
+    # Host seconds per operator that launches a kernel, beyond ``op_s`` (which a view costs too): a GPU's launch.
+    launch_s: float = 0.0
     # Attention's factors by dtype where they differ from ``attention_factor`` (a CPU's measured ones).
     attention_factors: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # How far the profile's predictions may be off before any calibration (log-space standard deviation).

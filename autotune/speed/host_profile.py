@@ -73,7 +73,8 @@ def host_profile(host: Any) -> DeviceProfile | None:
             base, name="host", source=f"{host.device_name}: matmuls and memory measured here"
                                       + (", NVLink measured here" if measured else "") + f"; the rest {base.name}'s",
             matmul={**base.matmul, **curves}, memory_bytes_per_s=float(rates["memory_bytes_per_s"]),
-            intra_node=intra, op_s=max(base.op_s, float(rates["op_s"]) + float(rates["kernel_s"])))
+            intra_node=intra, op_s=max(base.op_s, float(rates["op_s"])),
+            launch_s=max(base.launch_s, float(rates["kernel_s"])))
     link = measured or Link(latency_s=2e-4, bus_bytes_per_s=1e9)
     peaks = {dtype: curve.best for dtype, curve in curves.items()}
     # Attention against the matmul curve at the same FLOPs (4 * heads * 256^2 * 64 forward, twice that back).

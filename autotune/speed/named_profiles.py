@@ -41,13 +41,18 @@ NVLINK4 = Link(latency_s=3e-6, bus_bytes_per_s=365 * GIGA)
 HDR_IB = Link(latency_s=8e-6, bus_bytes_per_s=22 * GIGA)
 NDR_IB = Link(latency_s=8e-6, bus_bytes_per_s=45 * GIGA)
 
-# What every GPU profile shares: PyTorch's eager dispatch costs the host about 5-10 us an operator (we take 8,
-# views included), a kernel about 3 us on the device beyond its work (launch and tail), and FSDP's Python hooks
-# around each collective about 150 us. Scaled dot-product attention runs at FlashAttention-2's share of the
+# What every GPU profile shares: PyTorch's eager dispatch costs the host about 1 us an operator (a view, a
+# metadata query) and 4 us more for one that launches a kernel, a kernel about 3 us on the device beyond its work
+# (launch and tail), and FSDP's Python hooks around each collective about 150 us. An offloaded optimizer step
+# (PyTorch's single-tensor AdamW on the host, 80 bytes of traffic a parameter) ran at about 70 GB/s in one process
+# on this project's H200 host (gpu_check 2026-12-04: 1.24B parameters offloaded, 1.6-1.8 s a step); a node's
+# ranks share about 150 GB/s (a two-socket DDR5 server's, at 60% of its channels' rating). Scaled dot-product
+# attention runs at FlashAttention-2's share of the
 # matmul rate (about 70% forward and 55% backward on an A100, 50% and 40% on an H100, where FlashAttention-2
 # reaches 350-400 TFLOP/s forward against 790 for a matmul).
-_GPU = dict(device_type="cuda", kernel_s=3e-6, op_s=8e-6, collective_op_s=150e-6, asynchronous=True,
-            comm_overlaps_compute=True, node_size=8, uncertainty=0.2)
+_GPU = dict(device_type="cuda", kernel_s=3e-6, op_s=1e-6, launch_s=4e-6, collective_op_s=150e-6, asynchronous=True,
+            comm_overlaps_compute=True, node_size=8, uncertainty=0.2, host_memory_bytes_per_s=70 * GIGA,
+            host_node_memory_bytes_per_s=150 * GIGA)
 
 
 def _a100() -> DeviceProfile:

@@ -1,13 +1,13 @@
 """Play a step's schedule (:mod:`autotune.speed.fsdp_schedule`) against a device profile: how long it takes,
 and how much of its communication the compute hid.
 
-On a GPU three things run at once: the host issuing operators (each costs it ``op_s``, each collective
-``collective_op_s``), the compute stream running kernels in the order issued, and the links running collectives
-in the order issued. A kernel starts when the stream is free, the host has issued it and the collectives it
-reads have ended; it cannot end before the host has issued all of its event. A collective starts when its link
-is free, the host has issued it and what it waits for (its input's compute, the previous copy-out) is done. The
-step ends when all three are done (the trial synchronizes after every step). On a CPU the same thread runs
-kernels and collectives one after the other: nothing overlaps.
+On a GPU three things run at once: the host issuing operators (each costs it ``op_s``, a kernel ``launch_s``
+more, each collective ``collective_op_s``), the compute stream running kernels in the order issued, and the links
+running collectives in the order issued. A kernel starts when the stream is free, the host has issued it and the
+collectives it reads have ended; it cannot end before the host has issued all of its event. A collective starts
+when its link is free, the host has issued it and what it waits for (its input's compute, the previous
+copy-out) is done. The step ends when all three are done (the trial synchronizes after every step). On a CPU
+the same thread runs kernels and collectives one after the other: nothing overlaps.
 """
 
 from __future__ import annotations
@@ -50,15 +50,15 @@ def device_seconds(work: Work, profile: DeviceProfile) -> float:
 
 
 def host_seconds(work: Work, profile: DeviceProfile) -> float:
-    """The host's time issuing ``work``'s operators."""
-    return work.ops * profile.op_s / profile.efficiencies.overhead
+    """The host's time issuing ``work``'s operators: each dispatched (a view too), and each kernel launched."""
+    return (work.ops * profile.op_s + work.kernels * profile.launch_s) / profile.efficiencies.overhead
 
 
 def host_optimizer_seconds(work: Work, profile: DeviceProfile, ranks_on_node: int) -> float:
-    """An optimizer step the host runs (CPU offload): its memory traffic at the node's bandwidth shared by its
-    ranks, and each operator's cost."""
-    bandwidth = profile.host_memory_bytes_per_s / max(1, ranks_on_node) if profile.asynchronous else \
-        profile.memory_bytes_per_s
+    """An optimizer step the host runs (CPU offload): its memory traffic at what one process reaches or the node's
+    bandwidth shared by its ranks, whichever is less, and each operator's cost."""
+    bandwidth = min(profile.host_memory_bytes_per_s, profile.host_node_memory_bytes_per_s / max(1, ranks_on_node)) \
+        if profile.asynchronous else profile.memory_bytes_per_s
     return work.memory_bytes / bandwidth + work.kernels * profile.host_op_s
 
 
