@@ -1,11 +1,12 @@
 """Refit a device profile's efficiencies to measured steps: the step-time model learns this host as a study goes.
 
 Each measured trial is a :class:`Sample`: the schedule of its step (profile-independent) and the seconds it took.
-The five factors of :class:`~autotune.speed.device_profile.Efficiencies` (16-bit and fp32 compute, memory-bound
-kernels, communication, the host's overhead) are the ones that make the simulated steps closest to the measured
-ones in log time, each held near 1 by a prior (a factor of 1.65 is one standard deviation), so that four trials
-move the profile where they speak and leave it where they do not (fp32's factor stays where it was when no fp32
-trial ran). What the fit leaves in the residuals is the refitted profile's uncertainty.
+The five factors of :class:`~autotune.speed.device_profile.Efficiencies` (16-bit and fp32 compute, each its
+own, memory-bound kernels, communication, the host's overhead) are the ones that make the simulated steps
+closest to the measured ones in log time, each held near 1 by a prior (a factor of 1.65 is one standard
+deviation), so that four trials move the profile where they speak and leave it where they do not (fp32's factor
+stays where it was when no fp32 trial ran). What the fit leaves in the residuals is the refitted profile's
+uncertainty.
 """
 
 from __future__ import annotations

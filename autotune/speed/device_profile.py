@@ -106,8 +106,8 @@ class Efficiencies:
     """Factors on the profile's rates, refitted from a study's measured trials (1.0: the profile as it is; field
     order is :data:`autotune.speed.calibration.NAMES`)."""
 
-    compute: float = 1.0  # matmuls and attention
-    compute_fp32: float = 1.0  # fp32's on top of ``compute`` (a host's fp32 and bf16 units differ)
+    compute: float = 1.0  # matmuls and attention in 16-bit dtypes
+    compute_fp32: float = 1.0  # in fp32 (other units than bf16's, measured apart by the probe, refitted apart)
     memory: float = 1.0  # memory-bound kernels
     communication: float = 1.0  # collectives and offload copies
     overhead: float = 1.0  # issuing operators and collectives
@@ -184,7 +184,7 @@ class DeviceProfile:
         return curve or next(iter(self.matmul.values()))
 
     def compute_efficiency(self, dtype: str) -> float:
-        return self.efficiencies.compute * (self.efficiencies.compute_fp32 if dtype == "fp32" else 1.0)
+        return self.efficiencies.compute_fp32 if dtype == "fp32" else self.efficiencies.compute
 
     def matmul_seconds(self, shape: MatmulShape) -> float:
         """One product: its FLOPs at the curve's rate for its size, or its operands' bytes at memory bandwidth

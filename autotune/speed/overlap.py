@@ -43,8 +43,8 @@ def device_seconds(work: Work, profile: DeviceProfile) -> float:
     bandwidth, and each kernel's own cost."""
     seconds = sum(profile.matmul_seconds(s) * n for s, n in work.matmuls.items())
     seconds += sum(profile.attention_seconds(a) * n for a, n in work.attention.items())
-    seconds += sum(f / (profile.matmul[d].best if d in profile.matmul else profile.peak(d)) for d,
-                   f in work.other_flops.items()) / profile.efficiencies.compute
+    seconds += sum(f / ((profile.matmul[d].best if d in profile.matmul else profile.peak(d))
+                        * profile.compute_efficiency(d)) for d, f in work.other_flops.items())
     seconds += profile.memory_seconds(work.memory_bytes, work.half_bytes)
     return seconds + work.kernels * profile.kernel_s / profile.efficiencies.overhead
 

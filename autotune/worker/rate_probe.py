@@ -5,7 +5,8 @@
   achieved FLOP/s by the product's FLOPs make the profile's rate curve.
 - **Attention rates by dtype**: scaled dot-product attention forward and backward at 256 tokens (a CPU's runs
   at a fraction of its matmul rate, and in bf16 no faster than in fp32).
-- **Memory bandwidth**: an elementwise add over tensors far larger than the caches, in fp32 and in bf16.
+- **Memory-bound rate**: an elementwise add in fp32 and in bf16, over 1 GiB on a GPU, over 1 MiB on a CPU (a
+  block's activations at these sizes live in its caches).
 - **What an operator costs to issue**: a view (dispatch alone) and a one-element add (dispatch and a kernel).
 
 On a CPU host everything runs on one rank's share of the cores, with as many threads, as a trial's rank does.
@@ -18,8 +19,9 @@ import time
 from typing import Any
 
 
-def _timed(fn: Any, device: Any, repeats: int = 3, long_s: float = 0.01) -> float:
-    """The best of ``repeats`` timings of ``fn()`` after one untimed call (of two, for a call over ``long_s``)."""
+def _timed(fn: Any, device: Any, repeats: int = 5, long_s: float = 0.01) -> float:
+    """The median of ``repeats`` timings of ``fn()`` after one untimed call (of three, for a call over ``long_s``):
+    what a training step's operator meets, not its luckiest run."""
     import torch
 
     start = time.perf_counter()
@@ -27,8 +29,8 @@ def _timed(fn: Any, device: Any, repeats: int = 3, long_s: float = 0.01) -> floa
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if time.perf_counter() - start > long_s:
-        repeats = min(repeats, 2)
-    best = float("inf")
+        repeats = min(repeats, 3)
+    times = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -36,8 +38,8 @@ def _timed(fn: Any, device: Any, repeats: int = 3, long_s: float = 0.01) -> floa
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def matmul_curve(hidden: int, device: Any, dtype: Any, max_call_s: float = 0.05,
@@ -94,28 +96,35 @@ def memory_rate(device: Any, nbytes: int, dtype: Any) -> float:
     return 3 * nbytes / _timed(lambda: torch.add(a, b, out=c), device)
 
 
-def op_costs(device: Any, repeats: int = 2000) -> tuple[float, float]:
-    """(seconds to dispatch a view, seconds for a one-element add): the host's cost of an operator without and
-    with a kernel (the median of 5 loops)."""
+def op_costs(device: Any, repeats: int = 1000) -> tuple[float, float]:
+    """(seconds the host spends on an operator, seconds more for one that runs a kernel), as a training step's
+    operators cost it: on tensors that need gradients, so autograd records each (a view costs about 2 us here
+    then, not the 0.9 of a bare one), and with the backward a forward operator brings (a chain of multiplies run
+    forward and back, per multiply, less a view's cost). The median of 5 loops."""
     import torch
 
-    a = torch.ones(1, device=device)
-    b = torch.ones(1, device=device)
+    a = torch.ones(16, device=device, requires_grad=True)
 
-    def per_op(fn: Any) -> float:
+    def per_op(fn: Any, count: int) -> float:
         samples = []
         for _ in range(5):
             start = time.perf_counter()
-            for _ in range(repeats):
+            for _ in range(count):
                 fn()
-            samples.append((time.perf_counter() - start) / repeats)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples.append((time.perf_counter() - start) / count)
         return statistics.median(samples)
 
-    view = per_op(lambda: a.view(-1))
-    add = per_op(lambda: torch.add(a, b))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return view, add
+    def chain() -> None:
+        y = a
+        for _ in range(50):
+            y = y * 1.0001
+        y.sum().backward()
+
+    view = per_op(lambda: a.view(-1), repeats)
+    forward_and_back = per_op(chain, max(1, repeats // 50)) / 50
+    return view, max(0.0, forward_and_back / 2 - view)
 
 
 def measure_rates(hidden: int, device: Any, threads: int, dtypes: dict[str, Any],
@@ -132,7 +141,9 @@ def measure_rates(hidden: int, device: Any, threads: int, dtypes: dict[str, Any]
     try:
         curves = {name: matmul_curve(hidden, device, dtype) for name, dtype in dtypes.items()}
         attention = {name: attention_rates(hidden, device, dtype) for name, dtype in dtypes.items()}
-        size = (1 << 30) if device.type == "cuda" else (32 << 20)
+        # A GPU's HBM, past its caches; a CPU's activations, which a training step's elementwise operators mostly
+        # find in its caches (where bf16's conversions, not the memory, set the pace: a third of fp32's bytes/s).
+        size = (1 << 30) if device.type == "cuda" else (1 << 20)
         memory = memory_rate(device, size, torch.float32)
         half = memory_rate(device, size, dtypes["bf16"]) if "bf16" in dtypes else None
         view, add = op_costs(device)
@@ -141,7 +152,7 @@ def measure_rates(hidden: int, device: Any, threads: int, dtypes: dict[str, Any]
     for name, (source, factor) in (derived or {}).items():
         if source in curves:
             curves[name] = [[f, r * factor] for f, r in curves[source]]
-            attention[name] = attention[source]
+            attention[name] = tuple(rate * factor for rate in attention[source])
     return {"matmul": curves, "attention": attention, "memory_bytes_per_s": memory,
             "half_memory_bytes_per_s": half, "op_s": view, "kernel_s": max(0.0, add - view), "threads": threads,
             "hidden": hidden, "seconds": round(time.perf_counter() - start, 3)}
