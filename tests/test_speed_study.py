@@ -73,7 +73,7 @@ def test_every_launched_trial_keeps_its_prediction_beside_its_measurement(study)
     # collectives and memory-bound work are as measured); refitted, the later ones come close.
     first, last = measured_trials[0], measured_trials[-1]
     assert first.user_attrs[Attr.PREDICTED_TOKENS_PER_S] / first.value > 1.08
-    assert last.user_attrs[Attr.PREDICTED_TOKENS_PER_S] / last.value == pytest.approx(1.0, abs=0.02)
+    assert last.user_attrs[Attr.PREDICTED_TOKENS_PER_S] / last.value == pytest.approx(1.0, abs=0.03)
     model = run.study.user_attrs[StudyAttr.SPEED_MODEL]
     assert model["calibration_trials"] == len(measured_trials)
     # The prior holds every factor near 1, so the fit shares the slow-down among those that explain it; compute

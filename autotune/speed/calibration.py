@@ -3,8 +3,8 @@
 Each measured trial is a :class:`Sample`: the schedule of its step (profile-independent) and the seconds it took.
 The five factors of :class:`~autotune.speed.device_profile.Efficiencies` (16-bit and fp32 compute, each its
 own, memory-bound kernels, communication, the host's overhead) are the ones that make the simulated steps
-closest to the measured ones in log time, each held near 1 by a prior (a factor of 1.65 is one standard
-deviation), so that four trials move the profile where they speak and leave it where they do not (fp32's factor
+closest to the measured ones in log time, each held near 1 by a prior (compute's tighter than the host
+overhead's), so that four trials move the profile where they speak and leave it where they do not (fp32's factor
 stays where it was when no fp32 trial ran). What the fit leaves in the residuals is the refitted profile's
 uncertainty.
 """
@@ -19,10 +19,11 @@ from autotune.speed.device_profile import DeviceProfile, Efficiencies
 from autotune.speed.fsdp_schedule import Event
 from autotune.speed.overlap import simulate
 
-# Log-space standard deviation of each factor's prior, and of one measurement (trial-to-trial noise on these hosts:
-# a CV of 6-10%).
-PRIOR_SD = 0.5
+# Log-space standard deviation of one measurement (trial-to-trial noise on these hosts: a CV of 6-10%), and of each
+# factor's prior, in NAMES' order: compute is what the probe (or a datasheet) measures best, a host's overhead
+# what it measures worst (its Python and hooks around each operator: 13 us against the 2 of a bare view here).
 NOISE_SD = 0.08
+PRIOR_SD = (0.3, 0.3, 0.5, 0.5, 1.0)
 # The uncertainty never falls below this, however well a few trials fit.
 UNCERTAINTY_FLOOR = 0.04
 # The profile's own uncertainty counts as this many trials in the refitted one.
@@ -76,7 +77,7 @@ def refit(base: DeviceProfile, samples: Sequence[Sample]) -> DeviceProfile:
 
     def loss(x: Sequence[float]) -> float:
         fitted = residuals(profile_at(x), samples)
-        return sum(r * r for r in fitted) / NOISE_SD**2 + sum(v * v for v in x) / PRIOR_SD**2
+        return sum(r * r for r in fitted) / NOISE_SD**2 + sum((v / PRIOR_SD[i]) ** 2 for i, v in zip(free, x))
 
     best = minimize(loss, [start[i] for i in free], method="Nelder-Mead",
                     options={"xatol": 1e-4, "fatol": 1e-6, "maxiter": 4000}) if free else None

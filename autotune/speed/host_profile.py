@@ -73,8 +73,8 @@ def host_profile(host: Any) -> DeviceProfile | None:
             base, name="host", source=f"{host.device_name}: matmuls and memory measured here"
                                       + (", NVLink measured here" if measured else "") + f"; the rest {base.name}'s",
             matmul={**base.matmul, **curves}, memory_bytes_per_s=float(rates["memory_bytes_per_s"]),
-            intra_node=intra, op_s=max(base.op_s, float(rates["op_s"])),
-            launch_s=max(base.launch_s, float(rates["kernel_s"])))
+            intra_node=intra, op_s=float(rates.get("training_op_s") or max(base.op_s, float(rates["op_s"]))),
+            launch_s=0.0 if rates.get("training_op_s") else max(base.launch_s, float(rates["kernel_s"])))
     link = measured or Link(latency_s=2e-4, bus_bytes_per_s=1e9)
     peaks = {dtype: curve.best for dtype, curve in curves.items()}
     # Attention against the matmul curve at the same FLOPs (4 * heads * 256^2 * 64 forward, twice that back).
@@ -88,7 +88,10 @@ def host_profile(host: Any) -> DeviceProfile | None:
                + ("gloo among the trial's ranks" if measured else "gloo assumed (not measured)"),
         peak_flops=peaks, matmul=curves, attention_factor=CPU_ATTENTION_FACTOR,
         attention_backward_factor=CPU_ATTENTION_FACTOR, memory_bytes_per_s=float(rates["memory_bytes_per_s"]),
-        kernel_s=float(rates["kernel_s"]), op_s=float(rates["op_s"]), collective_op_s=CPU_COLLECTIVE_OP_S,
+        # A training step's own cost an operator where the probe measured it (its Python, hooks and autograd
+        # included), else the bare operators'.
+        kernel_s=0.0 if rates.get("training_op_s") else float(rates["kernel_s"]),
+        op_s=float(rates.get("training_op_s") or rates["op_s"]), collective_op_s=CPU_COLLECTIVE_OP_S,
         intra_node=link, inter_node=link, asynchronous=False, comm_overlaps_compute=False,
         uncertainty=CPU_UNCERTAINTY, half_memory_bytes_per_s=rates.get("half_memory_bytes_per_s"),
         attention_factors=attention)
