@@ -76,9 +76,9 @@ def test_every_launched_trial_keeps_its_prediction_beside_its_measurement(study)
     assert last.user_attrs[Attr.PREDICTED_TOKENS_PER_S] / last.value == pytest.approx(1.0, abs=0.03)
     model = run.study.user_attrs[StudyAttr.SPEED_MODEL]
     assert model["calibration_trials"] == len(measured_trials)
-    # The prior holds every factor near 1, so the fit shares the slow-down among those that explain it; compute
-    # takes most.
-    assert model["efficiencies"]["compute"] < 0.9
+    # The prior holds every factor near 1 (compute tightest, the probe measures it best), so the fit shares the
+    # slow-down among the factors that explain it; compute moves the right way.
+    assert model["efficiencies"]["compute"] < 1.0
 
 
 def test_a_configuration_predicted_hopeless_is_never_launched_and_says_why(study):
