@@ -2,9 +2,10 @@
 
     python benchmarks/tuner_speed.py [--quick] [--repeats 3] [--out benchmarks/results/tuner_speed_cpu.md]
 
-- **A gated study**: ``autotune run --mem-budget 35MiB`` on the Qwen2-style config of ``launch_gaps.py`` (4
-  blocks, hidden 256, tied embeddings), 2 ranks, seq len 128, 8 launches, ``--confirm 0``, run ``--repeats``
-  times: when the first launch starts after the command, and the gaps between launches (the end of one trial
+- **A gated study**: ``autotune run --mem-budget 35MiB`` on a Qwen2-style config (``launch_gaps.py``'s with a
+  vocabulary of 2,048: 4 blocks, hidden 256, tied embeddings, 3.5M parameters, so that 35 MiB rules out about
+  half of the space; at 4,096 nothing fits in 35 MiB), 2 ranks, seq len 128, 8 launches, ``--confirm 0``, run
+  ``--repeats`` times: when the first launch starts after the command, and the gaps between launches (the end of one trial
   to the start of the next). Targets (issue 41): the first launch within 15 s, a median gap of at most 0.5 s
   and a largest of at most 10 s, in each run.
 - **Two estimates**: ``autotune estimate`` of two Llama-7B configurations on 8 ranks and of three Llama-70B
@@ -25,13 +26,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch_gaps import QWEN2, one_run  # noqa: E402
+from launch_gaps import one_run  # noqa: E402
 from reporting import machine, publish  # noqa: E402
 
 import launch_gaps  # noqa: E402
 
 TARGETS = {"first_launch_s": 15.0, "median_gap_s": 0.5, "largest_gap_s": 10.0, "estimate_7b_s": 15.0,
            "estimate_70b_s": 20.0}
+# launch_gaps.py's Qwen2-style config with a smaller vocabulary: gated, not ruled out whole, at 35 MiB.
+QWEN2 = {**launch_gaps.QWEN2, "vocab_size": 2048}
 ESTIMATES = {
     "estimate_7b_s": ["--mem-budget", "80GB", "--model", "llama-7b", "--nproc", "8", "--limit", "2"],
     "estimate_70b_s": ["--mem-budget", "80GB", "--model", "llama-70b", "--nproc", "8", "--nnodes", "8", "--limit",
@@ -58,6 +61,7 @@ def main() -> int:
     args = parser.parse_args()
     launches, repeats = (3, 1) if args.quick else (8, args.repeats)
     launch_gaps.BUDGET = "35MiB"
+    launch_gaps.QWEN2 = QWEN2
     runs, estimates = [], {name: [] for name in ESTIMATES}
     for _ in range(repeats):
         runs.append(one_run(launches))

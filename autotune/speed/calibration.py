@@ -64,7 +64,7 @@ def refit(base: DeviceProfile, samples: Sequence[Sample]) -> DeviceProfile:
     samples = [s for s in samples if s.seconds > 0]
     if not samples:
         return base
-    from scipy.optimize import minimize
+    from scipy.optimize import least_squares
 
     start = [math.log(getattr(base.efficiencies, name)) for name in NAMES]
     free = _said(base, samples, start)
@@ -75,12 +75,13 @@ def refit(base: DeviceProfile, samples: Sequence[Sample]) -> DeviceProfile:
             values[i] = v
         return base.with_efficiencies(Efficiencies(*(math.exp(v) for v in values)))
 
-    def loss(x: Sequence[float]) -> float:
-        fitted = residuals(profile_at(x), samples)
-        return sum(r * r for r in fitted) / NOISE_SD**2 + sum((v / PRIOR_SD[i]) ** 2 for i, v in zip(free, x))
+    def weighted(x: Sequence[float]) -> list[float]:
+        # Each measurement's log error and each factor's distance from its prior, in standard deviations: the
+        # sum of their squares is what the fit makes least (a few dozen simulations, not Nelder-Mead's thousands).
+        return ([r / NOISE_SD for r in residuals(profile_at(x), samples)]
+                + [v / PRIOR_SD[i] for i, v in zip(free, x)])
 
-    best = minimize(loss, [start[i] for i in free], method="Nelder-Mead",
-                    options={"xatol": 1e-4, "fatol": 1e-6, "maxiter": 4000}) if free else None
+    best = least_squares(weighted, [start[i] for i in free], xtol=1e-4, ftol=1e-6, diff_step=1e-3) if free else None
     fitted = profile_at(best.x if best is not None else [])
     left = residuals(fitted, samples)
     n = len(left)

@@ -60,6 +60,9 @@ ESTIMATE_WORTH = 0.01
 MAX_ESTIMATED_PER_PROPOSAL = 2
 # Candidates handed to the gate to estimate in the background after each proposal.
 SPECULATED = 8
+# At most this many candidates are ruled out as predicted hopeless in one proposal (each is a prediction, 1-3 ms):
+# the rest of the walk goes on without the check, and the next proposals rule out more.
+MAX_SLOW_PER_PROPOSAL = 32
 
 
 class ModelSearch:
@@ -151,13 +154,11 @@ class ModelSearch:
         one; a candidate whose chance needs a fake step is estimated only when it
         would beat the best judged for free by :data:`ESTIMATE_WORTH`, and at
         most :data:`MAX_ESTIMATED_PER_PROPOSAL` of them."""
-        best, best_score, estimated = None, -math.inf, 0
+        best, best_score, estimated, slow = None, -math.inf, 0, 0
         for index in order:
             if scores[index] <= best_score:
                 break
             cfg = remaining[index]
-            if self._ruled_out_as_slow(cfg):
-                continue
             free = self.gate.free_chance(cfg)
             if free is None:
                 if defer and self.gate.probably_over(cfg):
@@ -175,6 +176,10 @@ class ModelSearch:
                 continue
             weighted = scores[index] * chance if has_data else scores[index] + math.log(chance)
             if weighted > best_score:
+                # Asked only of a candidate about to be chosen: a prediction costs milliseconds.
+                if slow < MAX_SLOW_PER_PROPOSAL and self._ruled_out_as_slow(cfg):
+                    slow += 1
+                    continue
                 best, best_score = cfg, weighted
             if chance >= 1.0:
                 break

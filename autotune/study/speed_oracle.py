@@ -71,6 +71,8 @@ class SpeedOracle:
         # Configuration key -> (the configuration stepped, its work, the share of its parameters that train).
         self._works: dict[str, tuple[FsdpConfig, ModelWork, float]] = {}
         self._samples: dict[int, Sample] = {}
+        # Predictions already made with the current work and profile (cleared when either changes).
+        self._predicted: dict[str, SpeedPrediction | None] = {}
         self._lock = threading.Lock()
 
     @property
@@ -84,6 +86,7 @@ class SpeedOracle:
         if found is not None:
             with self._lock:
                 self._works[cfg.replace(compile=False).key()] = (cfg.replace(compile=False), *found)
+                self._predicted.clear()
 
     def known(self) -> int:
         return len(self._works)
@@ -99,6 +102,16 @@ class SpeedOracle:
 
     def predict(self, cfg: FsdpConfig) -> SpeedPrediction | None:
         """``cfg``'s predicted speed on the study's (refitted) profile, or None before any fake step."""
+        key = cfg.key()
+        with self._lock:
+            if key in self._predicted:
+                return self._predicted[key]
+        predicted = self._predict(cfg)
+        with self._lock:
+            self._predicted[key] = predicted
+        return predicted
+
+    def _predict(self, cfg: FsdpConfig) -> SpeedPrediction | None:
         basis = self._basis(cfg)
         if basis is None:
             return None
@@ -130,6 +143,7 @@ class SpeedOracle:
         fitted = refit(self.base, samples)
         with self._lock:
             self.profile = fitted
+            self._predicted.clear()
 
     def summary(self) -> dict[str, Any]:
         return {"profile": self.profile.name, "source": self.profile.source,

@@ -188,7 +188,8 @@ def measure_rates(hidden: int, device: Any, threads: int, dtypes: dict[str, Any]
     for name, (source, factor) in (derived or {}).items():
         if source in curves:
             curves[name] = [[f, r * factor] for f, r in curves[source]]
-            attention[name] = tuple(rate * factor for rate in attention[source])
+            forward, backward = attention[source]
+            attention[name] = (forward * factor, backward * factor)
     return {"matmul": curves, "attention": attention, "memory_bytes_per_s": memory,
             "half_memory_bytes_per_s": half, "op_s": view, "kernel_s": max(0.0, add - view),
             "training_op_s": per_op, "threads": threads,
