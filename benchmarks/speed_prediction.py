@@ -366,7 +366,10 @@ def replay_once(table_path: Path, budget_name: str, seed: int, with_speed: bool,
     band = budget.best * 0.97
     skipped = run.study.user_attrs.get(StudyAttr.SKIPPED_SLOW, [])
     in_band = [s for s in skipped if (budget.value(FsdpConfig.from_dict(s["config"])) or 0.0) >= band]
-    return {"launches": to_band(path, band)[0], "skipped": len(skipped), "skipped_in_band": len(in_band)}
+    return {"launches": to_band(path, band)[0], "skipped": len(skipped), "skipped_in_band": len(in_band),
+            "in_band": [f"{s['label']}: measured {budget.value(FsdpConfig.from_dict(s['config'])):,.0f} against the "
+                        f"best {budget.best:,.0f}, predicted {s['predicted_tokens_per_s']:,.0f} (high "
+                        f"{s['high']:,.0f}) against a measured best of {s['best']:,.0f}" for s in in_band]}
 
 
 def part_replay(ctx: Context, table_path: Path, answers: dict[str, dict]) -> tuple[list[str], list[tuple[str, bool]]]:

@@ -71,3 +71,28 @@ def test_nothing_measured_leaves_the_profile_as_it_was():
     base = gpu()
     assert refit(base, []) is base
     assert refit(base, [dataclasses.replace(samples(base, CONFIGS)[0], seconds=0.0)]) is base
+
+
+def test_a_factor_the_trials_never_moved_keeps_its_prior_spread_in_the_interval():
+    from autotune.speed.device_profile import DeviceProfile
+    from autotune.speed.prediction import predict
+
+    base = gpu()
+    fitted = refit(base, samples(base.with_efficiencies(Efficiencies(compute=0.7)), CONFIGS))
+    # The bf16 trials pin bf16's compute; fp32's factor keeps its prior (0.3 in log).
+    sd = [math.sqrt(fitted.factor_covariance[i][i]) for i in range(5)]
+    assert sd[0] < 0.1 and sd[1] == pytest.approx(0.3)
+
+    def spread(dtype):
+        cfg = FsdpConfig(transformer_layer_cls=LAYER, mixed_precision="fp32" if dtype == "fp32" else "bf16")
+        return predict(cfg.to_dict(), model_work(8.0, dtype=dtype), STRUCTURE, Placement(4, 1), 1,
+                       fitted).uncertainty
+
+    # A bf16 step like the measured ones is as sure as the fit; an fp32 step leans on the unmeasured factor.
+    assert spread("bf16") < 0.15
+    assert spread("fp32") > 0.25
+    assert spread("fp32") == pytest.approx(math.hypot(fitted.uncertainty, 0.3), rel=0.1)
+    # Before any calibration the profile's own spread is the whole of it.
+    assert predict(FsdpConfig(transformer_layer_cls=LAYER).to_dict(), model_work(8.0), STRUCTURE, Placement(4, 1), 1,
+                   base).uncertainty == pytest.approx(0.2)
+    assert DeviceProfile.from_dict(fitted.to_dict()) == fitted

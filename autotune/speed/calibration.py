@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from autotune.speed.device_profile import DeviceProfile, Efficiencies
 from autotune.speed.fsdp_schedule import Event
@@ -88,4 +88,25 @@ def refit(base: DeviceProfile, samples: Sequence[Sample]) -> DeviceProfile:
     sigma = math.sqrt((sum(r * r for r in left) + PRIOR_WEIGHT * base.uncertainty**2) / (n + PRIOR_WEIGHT))
     factors = ", ".join(f"{name} x{getattr(fitted.efficiencies, name):.2f}" for name in NAMES)
     return fitted.with_efficiencies(fitted.efficiencies, max(UNCERTAINTY_FLOOR, sigma),
-                                    f"{base.source}; refitted on {n} measured trial(s): {factors}")
+                                    f"{base.source}; refitted on {n} measured trial(s): {factors}",
+                                    _covariance(base, free, best.jac if best is not None else None,
+                                                math.sqrt(sum(r * r for r in left) / n)))
+
+
+def _covariance(base: DeviceProfile, free: Sequence[int], jacobian: Any,
+                misfit: float) -> tuple[tuple[float, ...], ...]:
+    """The factors' covariance after the fit (log space): the fitted ones' from the fit's curvature (the Jacobian
+    of the weighted residuals, priors included), widened where the trials disagree with each other more than
+    their noise; a factor the trials never moved keeps what it had (its prior, before any calibration)."""
+    import numpy as np
+
+    size = len(NAMES)
+    before = np.array(base.factor_covariance) if base.factor_covariance else np.diag(np.square(PRIOR_SD))
+    after = np.diag(np.diag(before)).astype(float)
+    if free and jacobian is not None:
+        j = np.asarray(jacobian, dtype=float)
+        inverse = np.linalg.pinv(j.T @ j) * max(1.0, (misfit / NOISE_SD) ** 2)
+        for a, i in enumerate(free):
+            for b, k in enumerate(free):
+                after[i, k] = inverse[a, b]
+    return tuple(tuple(float(after[i, k]) for k in range(size)) for i in range(size))

@@ -160,12 +160,18 @@ class DeviceProfile:
     # Memory-bound kernels on 16-bit tensors (a CPU converts each element: about half its fp32 rate in bytes);
     # None: the same as any other.
     half_memory_bytes_per_s: float | None = None
+    # How well the calibration pinned each efficiency factor: their covariance in log space, in Efficiencies' field
+    # order (empty before any calibration, where ``uncertainty`` holds the whole spread). A configuration leaning on
+    # a factor the measured trials said little about (fp32's, after only bf16 trials) gets a wider interval.
+    factor_covariance: tuple[tuple[float, ...], ...] = ()
 
     def with_efficiencies(self, efficiencies: Efficiencies, uncertainty: float | None = None,
-                          source: str | None = None) -> DeviceProfile:
+                          source: str | None = None,
+                          covariance: tuple[tuple[float, ...], ...] | None = None) -> DeviceProfile:
         return dataclasses.replace(self, efficiencies=efficiencies,
                                    uncertainty=self.uncertainty if uncertainty is None else uncertainty,
-                                   source=source or self.source)
+                                   source=source or self.source,
+                                   factor_covariance=self.factor_covariance if covariance is None else covariance)
 
     def with_links(self, intra_gbps: float | None = None, inter_gbps: float | None = None) -> DeviceProfile:
         """The profile with its links' bus bandwidth set (GB/s, 10^9 bytes a second) where given."""
@@ -223,6 +229,7 @@ class DeviceProfile:
         data["intra_node"], data["inter_node"] = _link_dict(self.intra_node), _link_dict(self.inter_node)
         data["efficiencies"] = self.efficiencies.to_dict()
         data["attention_factors"] = {k: list(v) for k, v in self.attention_factors.items()}
+        data["factor_covariance"] = [list(row) for row in self.factor_covariance]
         return data
 
     @classmethod
@@ -233,6 +240,7 @@ class DeviceProfile:
         fields["efficiencies"] = Efficiencies(**data.get("efficiencies", {}))
         fields["attention_factors"] = {k: (float(v[0]), float(v[1])) for k, v in data.get("attention_factors",
                                                                                         {}).items()}
+        fields["factor_covariance"] = tuple(tuple(float(v) for v in row) for row in data.get("factor_covariance", ()))
         return cls(**fields)
 
 

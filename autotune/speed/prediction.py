@@ -6,18 +6,21 @@ device profile.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from autotune.config.step_work import StepWork
 from autotune.speed.device_profile import DeviceProfile
-from autotune.speed.fsdp_schedule import ModelStructure, Placement, schedule
+from autotune.speed.fsdp_schedule import Event, ModelStructure, Placement, schedule
 from autotune.speed.model_work import COMPUTE_DTYPE, ModelWork, model_work
-from autotune.speed.overlap import StepTime, simulate
+from autotune.speed.overlap import simulate
 
 # The interval holds 90% of the profile's spread (a normal in log tokens/s).
 INTERVAL_Z = 1.645
+# How far a factor is moved (in log) to see how much the step leans on it.
+NUDGE = 0.05
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,24 @@ class SpeedPrediction:
                 f"MFU {100 * self.mfu:.1f}%")
 
 
-def step_time(cfg: Mapping[str, Any], work: ModelWork, structure: ModelStructure, placement: Placement,
-              micro_batches: int, profile: DeviceProfile) -> StepTime:
-    """One optimizer step of ``cfg`` (a FsdpConfig's dict), ``work`` already at its micro batch, precision,
-    checkpointing and compilation."""
-    events = schedule(cfg, work, structure, placement, micro_batches)
-    return simulate(events, profile, ranks_on_node=placement.node_size)
+def factor_spread(events: Sequence[Event], profile: DeviceProfile, ranks_on_node: int, seconds: float) -> float:
+    """The log-space spread of a step's time that the calibration's uncertain factors leave: each factor's pull on
+    the step (its elasticity, by nudging it) through the factors' covariance. Nothing before any calibration."""
+    covariance = profile.factor_covariance
+    if not covariance:
+        return 0.0
+    names = list(profile.efficiencies.to_dict())
+    pull = []
+    for i, name in enumerate(names):
+        if covariance[i][i] <= 0.0:
+            pull.append(0.0)
+            continue
+        nudged = dataclasses.replace(profile.efficiencies,
+                                     **{name: getattr(profile.efficiencies, name) * math.exp(NUDGE)})
+        after = simulate(events, profile.with_efficiencies(nudged), ranks_on_node).seconds
+        pull.append(math.log(after / seconds) / NUDGE)
+    variance = sum(pull[i] * covariance[i][j] * pull[j] for i in range(len(names)) for j in range(len(names)))
+    return math.sqrt(max(0.0, variance))
 
 
 def work_for(cfg: Mapping[str, Any], work: ModelWork) -> ModelWork:
@@ -73,10 +88,12 @@ def predict(cfg: Mapping[str, Any], work: ModelWork, structure: ModelStructure, 
     """``cfg``'s speed on ``profile`` (see the module): ``work`` is counted by a fake step of ``cfg`` or of a
     configuration it is derived from."""
     done = work_for(cfg, work)
-    time = step_time(cfg, done, structure, placement, micro_batches, profile)
+    events = schedule(cfg, done, structure, placement, micro_batches)
+    time = simulate(events, profile, ranks_on_node=placement.node_size)
     tokens = cfg["micro_batch_size"] * done.seq_len * placement.world_size * micro_batches
     tokens_per_s = tokens / time.seconds
-    sigma = profile.uncertainty if uncertainty is None else uncertainty
+    sigma = math.hypot(profile.uncertainty if uncertainty is None else uncertainty,
+                       factor_spread(events, profile, placement.node_size, time.seconds))
     spread = math.exp(INTERVAL_Z * sigma)
     peak = profile.peak(COMPUTE_DTYPE[cfg["mixed_precision"]])
     mfu = micro_batches * done.model_flops() / (time.seconds * peak) if peak else 0.0
