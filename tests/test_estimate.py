@@ -205,7 +205,8 @@ def test_estimate_predicts_each_fitting_configurations_speed_fastest_first(tmp_p
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, NO_SHARD]\nmixed_precision: [bf16, fp32]\n"
                      "micro_batch_size: [1, 4]\n")
-    done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "-f", "json",
+    # 4GB: the CUDA margin adds 1.5 GiB outside the allocator to every predicted peak (a 1GB budget fits nothing).
+    done = run_cli("estimate", "--mem-budget", "4GB", "--space", str(space), "--seq-len", "64", "-f", "json",
                    "--device-profile", "h100-sxm", "--inter-node-gbps", "25", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
@@ -218,8 +219,11 @@ def test_estimate_predicts_each_fitting_configurations_speed_fastest_first(tmp_p
         assert row["speed"]["profile"] == "h100-sxm"
     speeds = [r["predicted_tokens_per_s"] for r in rows]
     assert speeds == sorted(speeds, reverse=True)
-    # On an H100, bf16 runs far faster than fp32 (989 against 67 TFLOP/s), a larger micro batch faster still.
-    assert rows[0]["config"]["mixed_precision"] == "bf16" and rows[-1]["config"]["mixed_precision"] == "fp32"
+    # llama-tiny at seq len 64 is bound by kernel launches on an H100 (MFU about 1%): four times the tokens a step
+    # for about the same kernels puts every micro batch of 4 first, and bf16's casts cost about what its faster
+    # matmuls (989 against 67 TFLOP/s) save.
+    assert [r["config"]["micro_batch_size"] for r in rows] == [4] * 4 + [1] * 4
+    assert all(0 < r["predicted_mfu"] < 0.05 for r in rows)
 
 
 @pytest.mark.torchrun
@@ -227,13 +231,13 @@ def test_estimate_over_several_world_sizes_names_the_fastest_at_each(tmp_path, f
     space = tmp_path / "space.yaml"
     space.write_text("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, HYBRID_SHARD]\nmixed_precision: bf16\n"
                      "micro_batch_size: 2\n")
-    done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "--nproc", "2",
+    done = run_cli("estimate", "--mem-budget", "4GB", "--space", str(space), "--seq-len", "64", "--nproc", "2",
                    "--nnodes", "1,2", "--device-profile", "a100-80gb", cwd=tmp_path, forks=forks)
     assert done.returncode == 0, done.stderr
     assert "tok/s" in done.stdout and "MFU" in done.stdout and "90% interval" in done.stdout
     summary = done.stdout.split("Fastest configuration predicted to fit, by world size:")[1]
     assert [line.split()[0] for line in summary.strip().splitlines()[2:]] == ["2", "4"]
-    json_done = run_cli("estimate", "--mem-budget", "1GB", "--space", str(space), "--seq-len", "64", "--nproc", "2",
+    json_done = run_cli("estimate", "--mem-budget", "4GB", "--space", str(space), "--seq-len", "64", "--nproc", "2",
                         "--nnodes", "1,2", "--device-profile", "a100-80gb", "-f", "json", cwd=tmp_path, forks=forks)
     doc = json.loads(json_done.stdout)
     assert [w["world_size"] for w in doc["worlds"]] == [2, 4]
