@@ -150,6 +150,8 @@ def step_cap(ctx: Context) -> list[str]:
         expected = {"uncapped": "ok", "just above": "ok", "below": "oom"}[name]
         assert r.status == expected, f"{name}: expected {expected}, got {r.status}: {r.error}"
     above = figures["just above"]
+    assert not above.outside_growth, (
+        f"the memory outside the allocator grew {above.outside_growth:,} bytes after the last cap")
     assert above.peak <= budgets["just above"], (
         f"trained under its cap, recorded {above.peak - budgets['just above']:,} bytes over the budget")
     lines.append(f"just above: recorded {above.peak / 2**30:.2f} GiB against a budget of "

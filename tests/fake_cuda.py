@@ -7,12 +7,16 @@ stand-in plays a GPU's life over a trial, as the H200 run of 2026-12-04
 showed it:
 
 - the CUDA context is there from the start (``context``);
-- the first matmul sets cuBLAS up: a workspace outside the allocator
-  (``cublas``) and a slow first kernel (``first_kernel_s``), every matmul
-  after it taking ``kernel_s``, so that a first step runs many times a
-  timed one (8.3x on the H200); kernels loaded lazily at the
-  ``lazy_after``-th matmul (the first step's, which a warm-up matmul does
-  not reach) add ``lazy_kernels``;
+- the first matmul sets cuBLAS up: its workspace (``cublas``) comes
+  through the caching allocator and stays allocated, as torch's
+  ``getNewWorkspace`` does (``CUDACachingAllocator::get()->allocate``, held
+  per handle and stream, in every torch from 2.6 to 2.14), and a slow
+  first kernel (``first_kernel_s``), every matmul after it taking
+  ``kernel_s``, so that a first step runs many times a timed one (8.3x on
+  the H200); kernels loaded lazily at the ``lazy_after``-th matmul (the
+  first step's by default, which a warm-up matmul does not reach; a later
+  one plays growth after the cap was last set) add ``lazy_kernels``
+  outside the allocator;
 - each process group's first collective creates its NCCL communicator
   (``nccl_init``), and its first collective of ``large`` bytes or more
   connects the channels whose buffers hold ``nccl``;
@@ -89,7 +93,7 @@ class FakeGpu:
     def outside(self) -> int:
         connected = sum(self.nccl_init + (self.nccl if channels else 0) for channels in self.communicators.values())
         lazy = self.lazy_kernels if self.matmuls >= self.lazy_after else 0
-        return (self.context if self.initialized else 0) + (self.cublas if self.matmuls else 0) + lazy + connected
+        return (self.context if self.initialized else 0) + lazy + connected
 
     def mem_get_info(self) -> tuple[int, int]:
         self._check()
@@ -126,7 +130,7 @@ class FakeGpu:
                     self._live[t.untyped_storage()] = None
                 except (RuntimeError, NotImplementedError):
                     continue
-        self.allocated = sum(s.nbytes() for s in list(self._live.keys()))
+        self.allocated = sum(s.nbytes() for s in list(self._live.keys())) + (self.cublas if self.matmuls else 0)
         needed = self._reserve(self.allocated)
         if needed > self.reserved:
             cap = int(self.fraction * self.total) if self.fraction is not None else self.total - self.outside
@@ -155,6 +159,7 @@ class FakeGpu:
         self.matmuls += 1
         if first:
             self.events.append(("matmul", "cuBLAS set up"))
+            self.account([])  # the workspace, from the allocator and under its cap
         time.sleep(self.kernel_s + (self.first_kernel_s if first else 0.0))
 
     def on_collective(self, group: Any, nbytes: int) -> None:

@@ -137,9 +137,9 @@ class RankMemory:
     outside_allocator: int | None = None
     # CUDA: times the allocator, at its cap, freed its cached blocks and retried.
     alloc_retries: int | None = None
-    # CUDA, capped: the cap, and memory outside the allocator that appeared after
-    # it was last set (``outside_allocator`` is what the cap left room for): 0
-    # when the cap emulated a GPU of the budget's size exactly.
+    # CUDA, capped: the cap, and by how much the memory outside the allocator, as
+    # measured at the end of the run, outgrew the room the cap last left for it:
+    # 0 when the cap emulated a GPU of the budget's size exactly.
     cap_bytes: int | None = None
     outside_growth: int | None = None
 

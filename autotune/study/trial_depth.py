@@ -17,8 +17,8 @@ whole model is one unit; size-based units larger than a block: its blocks
 are gathered together, as one unit that grows with the depth) runs at full
 depth in a shallow study (:func:`whole_because`): measured on a 32-block Llama
 (benchmarks/results/shallow_trials_cpu.md), FSDP1 with size-based units of
-1e6 parameters over blocks of 0.79M came out 48% faster on the copies' line
-than at full depth, in each of 3 interleaved rounds.
+1e6 parameters over blocks of 0.79M came out 34.0% faster on the copies' line
+than at full depth.
 """
 
 from __future__ import annotations

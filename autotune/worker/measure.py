@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 from autotune.config import RankMemory
+from autotune.worker.runtime import GroupUse
 from autotune.worker.live_storages import LiveStorageTracker  # noqa: F401 - the CPU trial's memory measure
 
 from autotune.stats import median_ci95
@@ -69,27 +70,35 @@ def cap_in_force() -> MemoryCap | None:
 
 # Elements of the collectives that bring up NCCL's buffers: NCCL picks its
 # protocol by message size (LL for small, LL128, Simple for large ones) and
-# connects each on first use, so one of each size, fp32.
+# connects each on first use, so one of each size, fp32. The size is the
+# whole message, the gathered tensor, whatever the group's size: NCCL's
+# buffers do not grow with the ranks, and a warm-up sized by the world
+# (8 Mi elements a rank) allocated 16 GiB a GPU at 512 ranks before any cap.
 WARM_COLLECTIVE_NUMELS = (1024, 256 * 1024, 8 * 1024 * 1024)
 
 
-def warm_outside_allocator(device: torch.device, groups: Iterable[Any], dtypes: Iterable[torch.dtype]) -> None:
+def warm_outside_allocator(device: torch.device, groups: Iterable[GroupUse], dtypes: Iterable[torch.dtype]) -> None:
     """Bring up what lives outside the caching allocator before it is measured:
-    cuBLAS's handles and workspace (a matmul in each dtype the trial computes
-    in), and each group's NCCL communicator with its buffers (an all-reduce,
-    an all-gather and a reduce-scatter of each size FSDP's come in). The
-    tensors go back to the allocator's cache, which is emptied."""
+    cuBLAS's handles (a matmul in each dtype the trial computes in; their
+    workspace comes from the allocator and stays there), and each group's
+    NCCL communicator: a scalar all-reduce on a group that carries only
+    barriers and scalars, and on one that carries FSDP's collectives an
+    all-reduce, an all-gather and a reduce-scatter of each size they come
+    in. The tensors go back to the allocator's cache, which is emptied."""
     for dtype in dtypes:
         a = torch.ones(256, 256, device=device, dtype=dtype)
         (a @ a).sum().item()
-    for group in groups:
-        size = dist.get_world_size(group)
+    for use in groups:
+        if not use.bulk:
+            dist.all_reduce(torch.ones(1, device=device), group=use.group)
+            continue
+        size = dist.get_world_size(use.group)
         for numel in WARM_COLLECTIVE_NUMELS:
-            shard = torch.ones(numel, device=device)
-            whole = torch.empty(numel * size, device=device)
-            dist.all_reduce(shard, group=group)
-            dist.all_gather_into_tensor(whole, shard, group=group)
-            dist.reduce_scatter_tensor(shard, whole, group=group)
+            shard = torch.ones(max(1, numel // size), device=device)
+            whole = torch.empty(shard.numel() * size, device=device)
+            dist.all_reduce(whole, group=use.group)
+            dist.all_gather_into_tensor(whole, shard, group=use.group)
+            dist.reduce_scatter_tensor(shard, whole, group=use.group)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
 
@@ -142,16 +151,16 @@ def add_run_figures(memory: RankMemory, device: torch.device) -> None:
     allocator's pool can still grow after that step, and it may have retried at
     its cap (freed its cache to make room) any time since the model was built.
 
-    A capped rank's memory outside the allocator is the figure its cap left
-    room for, so that a rank that trained under the cap holds at most the
-    budget; what appeared outside since is ``outside_growth``."""
+    The memory outside the allocator is the largest measured, at the memory
+    step or at the end of the run, never the figure a cap left room for: a
+    rank whose outside grew past that room after the cap was last set held
+    more of the device than the budget, and its peak says so
+    (``outside_growth`` is by how much the outside outgrew the cap's room)."""
     memory.peak_reserved = max(memory.peak_reserved or 0, torch.cuda.max_memory_reserved(device))
     memory.alloc_retries = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
-    outside = outside_allocator(device)
+    outside = max(memory.outside_allocator or 0, outside_allocator(device))
+    memory.outside_allocator = outside
     cap = cap_in_force()
-    if cap is None:
-        memory.outside_allocator = max(memory.outside_allocator or 0, outside)
-        return
-    memory.cap_bytes = cap.cap_bytes
-    memory.outside_allocator = cap.outside_bytes
-    memory.outside_growth = max(0, outside - cap.outside_bytes)
+    if cap is not None:
+        memory.cap_bytes = cap.cap_bytes
+        memory.outside_growth = max(0, outside - cap.outside_bytes)

@@ -53,20 +53,35 @@ def init_distributed(requested_device: str) -> Rank:
     return Rank(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
-def groups_in_use(fsdp: Any, mesh: Any) -> list[Any]:
-    """The process groups a trial's collectives run on: the default group (the
-    timing's and the result's, and FSDP1's unless it shards hybrid) and the
-    groups of the mesh dimensions FSDP2 or hybrid FSDP1 shards and replicates
-    over. Each once, and none of one rank (nothing to connect). FSDP1 is
-    handed the mesh only when hybrid (autotune.worker.fsdp.apply_fsdp1): a
-    group it never uses would count its NCCL buffers outside the allocator."""
-    groups = [dist.group.WORLD]
-    if fsdp.fsdp_version == 2 or fsdp.is_hybrid:
-        for dim in range(mesh.ndim):
-            group = mesh.get_group(dim)
-            if mesh.size(dim) > 1 and all(group is not g for g in groups):
-                groups.append(group)
-    return groups
+@dataclass(frozen=True)
+class GroupUse:
+    """A process group a trial's collectives run on, and whether it carries
+    FSDP's all-gathers, reduce-scatters and all-reduces (``bulk``) or only the
+    barriers and scalars of the timing and the result."""
+
+    group: Any
+    bulk: bool
+
+
+def groups_in_use(fsdp: Any, mesh: Any) -> list[GroupUse]:
+    """The process groups a trial's collectives run on, each once, and none of
+    one rank (nothing to connect): the default group, and the groups of the
+    mesh dimensions FSDP2 or hybrid FSDP1 shards and replicates over. The
+    default group carries FSDP's collectives only where FSDP1 shards without
+    the mesh, or where a mesh group is the default group itself (a 1-D mesh
+    over the world); on a 2-D mesh it carries scalars, and warming it at
+    FSDP's sizes would count NCCL buffers it never fills outside the
+    allocator. FSDP1 is handed the mesh only when hybrid
+    (autotune.worker.fsdp.apply_fsdp1)."""
+    world = dist.group.WORLD
+    if not (fsdp.fsdp_version == 2 or fsdp.is_hybrid):
+        return [GroupUse(world, bulk=True)]
+    dims = [(mesh.get_group(dim), mesh.size(dim)) for dim in range(mesh.ndim)]
+    uses = [GroupUse(world, bulk=any(group is world for group, _ in dims))]
+    for group, size in dims:
+        if size > 1 and all(group is not u.group for u in uses):
+            uses.append(GroupUse(group, bulk=True))
+    return uses
 
 
 def synchronize(device: torch.device) -> None:
