@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autotune.errors import UsageError
@@ -150,7 +150,7 @@ def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -
     from autotune.launch.host import probe
     from autotune.presets import choose_seq_len
     from autotune.study import RunSettings, default_study_name
-    from autotune.study.trial_depth import parse_trial_depth
+    from autotune.study.depth_setting import TrialDepth
     from autotune.study.runner import plan_for
     from autotune.study.settings import ExecutionSettings, MeasureSettings, SearchSettings, StudySettings
     from autotune.study.settings import checked_for_resume
@@ -182,7 +182,7 @@ def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -
             name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size,
                                                        args.nnodes, lora),
             storage_url=args.storage, nnodes=args.nnodes, global_batch_size=args.global_batch_size, hub_id=spec.hub_id,
-            lora=lora, trial_depth=parse_trial_depth(args.trial_depth) if args.trial_depth else None),
+            lora=lora, trial_depth=TrialDepth.parse(args.trial_depth) if args.trial_depth else None),
         search=SearchSettings(trials=args.trials, sampler=args.sampler, seed=args.seed,
                               use_estimate=not args.no_estimate, confirm=args.confirm),
         measure=MeasureSettings(warmup_steps=args.warmup_steps, timed_steps=args.timed_steps or timed_steps,
@@ -192,7 +192,7 @@ def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -
     )
     # Refused before anything is written: a study made for other work, depths the model cannot take.
     settings = checked_for_resume(settings)
-    plan_for(settings, model)
+    settings = replace(settings, depth_plan=plan_for(settings, model))
     if launcher == "slurm":
         from autotune.launch.multinode import check_launcher
         from autotune.study.storage import study_dir

@@ -26,8 +26,11 @@ class DepthPoint:
     ci_low_s: float | None = None
     ci_high_s: float | None = None
     timed_steps: int | None = None
-    # The copy's own peak (not the full model's, which the memory estimate judges).
+    # The copy's own peaks: what it held of the device, and its tensor bytes (the memory estimate's quantity).
     peak_memory_bytes: int | None = None
+    tensor_peak_bytes: int | None = None
+    # When the copy ran in its job: 0 first.
+    order: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +72,18 @@ def interval_at(points: Sequence[DepthPoint], depth: int) -> tuple[float, float]
         return t_high + (depth - high.depth) * (t_high - t_low) / (high.depth - low.depth)
 
     return at(low.ci_high_s, high.ci_low_s), at(low.ci_low_s, high.ci_high_s)
+
+
+def peak_at(points: Sequence[DepthPoint], depth: int, field: str = "tensor_peak_bytes") -> int | None:
+    """A peak at ``depth`` on the line through the shallowest and deepest copies' peaks (``field``), or None
+    when either has none. A block holds the same parameters, gradients, optimizer state and activations at any
+    depth, so the peak is affine in depth as the step time is (the fake step's copies extend to the whole step's
+    peak exactly: benchmarks/results/estimator_scale_cpu.md)."""
+    low, high = min(points, key=lambda p: p.depth), max(points, key=lambda p: p.depth)
+    a, b = getattr(low, field), getattr(high, field)
+    if a is None or b is None or high.depth == low.depth:
+        return None
+    return round(a + (depth - low.depth) * (b - a) / (high.depth - low.depth))
 
 
 def line_check(points: Sequence[DepthPoint]) -> float | None:

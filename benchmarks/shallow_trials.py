@@ -10,8 +10,10 @@ as a full-depth trial, in interleaved rounds (every configuration and both
 kinds once per round, in a fresh random order). Figures: the extrapolated
 tokens/s against the full-depth mean, median and largest error (targets <= 5%
 and <= 10%); Spearman's rank correlation of the two orders; whether the top by
-extrapolation is within the full-depth measurements' noise of the true top.
-Part 2: ``autotune run`` at the defaults (16 launches, 3 confirmation rounds)
+extrapolation is within the full-depth measurements' noise of the true top;
+the copies' order, which alternates (deepest first in every other round), and
+its drift; the copies' tensor peaks extended to full depth against the
+full-depth trial's measured one (target within 5%). Part 2: ``autotune run`` at the defaults (16 launches, 3 confirmation rounds)
 with ``--trial-depth full`` and with ``auto``, same budget: the median wall
 per search launch (target: auto <= 1/3 of full), the whole study (<= 1/2), and
 whether auto's confirmed winner is full depth's or a tie it names.
@@ -29,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from autotune.config import FsdpConfig, TrialRequest
+from autotune.depth import DepthPoint, peak_at
 from autotune.launch.forkserver import ForkServer
 from autotune.launch.launcher import launch_trial
 from autotune.study.trial_depth import whole_because
@@ -77,20 +80,31 @@ def accuracy(model: str, configs: list[FsdpConfig], repeats: int, depths: tuple[
              work: Path) -> list[dict]:
     """Each configuration shallow and whole, ``repeats`` interleaved rounds; the tokens/s of each."""
     forks = ForkServer(model=model)
-    figures = [{"cfg": c, "shallow": [], "full": [], "shallow_s": [], "full_s": []} for c in configs]
+    figures = [{"cfg": c, "shallow": [], "full": [], "shallow_s": [], "full_s": [], "shallowest first": [],
+                "deepest first": [], "line_peak": [], "full_peak": []} for c in configs]
     rng = random.Random(0)
     try:
         for round_ in range(repeats):
             order = [(i, kind) for i in range(len(configs)) for kind in ("shallow", "full")]
             rng.shuffle(order)
             for i, kind in order:
+                # The copies' order alternates from round to round, and between neighbouring configurations.
+                deepest_first = (round_ + i) % 2 == 1
                 request = TrialRequest(fsdp=configs[i], model=model, seq_len=SEQ_LEN,
-                                       **({"depths": depths, "full_depth": full} if kind == "shallow" else {}))
+                                       **({"depths": depths, "full_depth": full, "deepest_first": deepest_first}
+                                          if kind == "shallow" else {}))
                 outcome = launch_trial(request, work / f"{round_}-{i}-{kind}", 2, 900, forks=forks)
                 if outcome.result.status != "ok":
                     raise SystemExit(f"{kind} trial of {configs[i].describe()} failed: {outcome.result.error}")
                 figures[i][kind].append(outcome.result.tokens_per_s)
                 figures[i][f"{kind}_s"].append(outcome.wall_s)
+                if kind == "shallow":
+                    figures[i]["deepest first" if deepest_first else "shallowest first"].append(
+                        outcome.result.tokens_per_s)
+                    points = [DepthPoint.from_dict(p) for p in outcome.result.depth_points]
+                    figures[i]["line_peak"].append(peak_at(points, full))
+                else:
+                    figures[i]["full_peak"].append(max(m.tensor_peak or 0 for m in outcome.result.rank_memory))
                 print(f"round {round_ + 1} {kind:7s} {outcome.result.tokens_per_s:8,.0f} tok/s {outcome.wall_s:5.1f}s "
                       f"{configs[i].describe()}", flush=True)
     finally:
@@ -122,6 +136,48 @@ def _block_params(model: str) -> int | None:
     from autotune.launch.host import probe
 
     return probe(model, LAYER)[1].block_params
+
+
+def order_and_peaks(figures: list[dict], block_params: int | None, verdict) -> list[str]:
+    """The copies' order (the drift: deepest first against shallowest first, each against full depth) and their
+    peaks' line at full depth against the full-depth trial's measured tensor peak."""
+    lines = ["## The copies' order and their peaks", "",
+             "Shallow trials alternate the order of their copies (deepest first in every other round, and between "
+             "neighbouring configurations); each copy measures its tensor peak, whose line is extended to full "
+             "depth as the tuner does (`autotune.depth.peak_at`).", "",
+             "| configuration | shallowest first tok/s | deepest first tok/s | drift | peaks' line MiB | full depth "
+             "MiB | peak error |", "|---|---:|---:|---:|---:|---:|---:|"]
+    drifts, peak_errors = [], []
+    for f in figures:
+        if whole_because(f["cfg"], block_params) is not None:
+            continue
+        up, down = f["shallowest first"], f["deepest first"]
+        drift = statistics.fmean(down) / statistics.fmean(up) - 1 if up and down else None
+        if drift is not None:
+            drifts.append(drift)
+        lines_peak = [p for p in f["line_peak"] if p]
+        line = statistics.fmean(lines_peak) if lines_peak else None
+        whole = statistics.fmean(f["full_peak"]) if f["full_peak"] else None
+        error = line / whole - 1 if line and whole else None
+        if error is not None:
+            peak_errors.append(error)
+        lines.append(f"| {f['cfg'].describe()} | {statistics.fmean(up) if up else float('nan'):,.0f} | "
+                     f"{statistics.fmean(down) if down else float('nan'):,.0f} | "
+                     + (f"{100 * drift:+.1f}%" if drift is not None else "-") + " | "
+                     + (f"{line / 2**20:.1f}" if line else "-") + " | " + (f"{whole / 2**20:.1f}" if whole else "-")
+                     + " | " + (f"{100 * error:+.1f}%" if error is not None else "-") + " |")
+    lines.append("")
+    if drifts:
+        lines.append(f"- the order's drift (deepest first over shallowest first, the extrapolated tok/s), over "
+                     f"{len(drifts)} configurations: median {100 * statistics.median(drifts):+.1f}%, largest "
+                     f"{100 * max(drifts, key=abs):+.1f}% (a single trial's own noise is its size here, so only a "
+                     "median away from 0 says the order tilts the line)")
+    if peak_errors:
+        worst = max(peak_errors, key=abs)
+        lines.append(f"- the copies' peaks extended to full depth against the full-depth trial's measured tensor peak, "
+                     f"over {len(peak_errors)} configurations: median {100 * statistics.median(peak_errors):+.1f}%, "
+                     f"largest {100 * worst:+.1f}% (target within 5%: {verdict(abs(worst) <= 0.05)})")
+    return lines + [""]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -191,6 +247,7 @@ def main() -> int:
              f"(within the full-depth noise, 2 x {100 * top_noise:.1f}%: {verdict(top_ok)})",
              f"- median wall per trial, shallow against full depth: {launch_ratio:.2f} (target <= 1/3: "
              f"{verdict(launch_ratio <= 1 / 3)})", ""]
+    lines += order_and_peaks(figures, block_params, verdict)
     if not args.quick and not args.no_study:
         studies = {depth: run_study(model, depth, work, 16, 3) for depth in ("full", "auto")}
         full_s, auto_s = studies["full"], studies["auto"]

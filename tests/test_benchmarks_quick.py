@@ -101,6 +101,7 @@ def test_shallow_trials_quick_sets_the_line_beside_the_full_depth(tmp_path):
     bench("shallow_trials.py", "--out", str(out), cwd=tmp_path)
     report = out.read_text()
     assert "extrapolated tok/s" in report and "Spearman" in report and ("PASS" in report or "MISS" in report)
+    assert "## The copies' order and their peaks" in report and "peaks extended to full depth" in report
 
 
 def test_speed_prediction_quick_scores_every_part(tmp_path):

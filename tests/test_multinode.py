@@ -115,6 +115,10 @@ def test_autotune_run_with_two_nodes_records_the_mesh_and_runs_one_rank_hybrids_
         assert t.user_attrs["extrapolated"] and t.user_attrs["full_depth"] == 4
         points = t.user_attrs["depth_points"]
         assert [p["depth"] for p in points] == [1, 2] and points[0]["step_time_s"] < points[1]["step_time_s"] * 1.5
+        # Each copy measured its tensor peak, and the line through them is the trial's figure at full depth.
+        assert 0 < points[0]["tensor_peak_bytes"] < points[1]["tensor_peak_bytes"] < t.user_attrs["line_tensor_peak_bytes"]
+    # The copies' order alternates from one shallow trial to the next.
+    assert {t.user_attrs["copies_order"] for t in measured} == {"shallowest first", "deepest first"}
     doc = json.loads((tmp_path / "studies" / name / "best_config.json").read_text())
     assert doc["nnodes"] == 2
 

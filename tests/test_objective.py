@@ -304,7 +304,7 @@ def test_a_run_is_checked_against_its_stored_study_once(tmp_path, monkeypatch):
     real = settings_module.check_resumable
     monkeypatch.setattr(settings_module, "check_resumable", lambda s: calls.append(s.study.name) or real(s))
     checked = settings_module.checked_for_resume(settings(tmp_path, TWO, use_estimate=False))
-    assert checked.stored_identity == {} and checked.study.trial_depth == "auto" and len(calls) == 1
+    assert checked.stored_identity == {} and str(checked.study.trial_depth) == "auto" and len(calls) == 1
     assert settings_module.checked_for_resume(checked) is checked
     run_study(checked, HOST, MODEL, launch=ScriptedLaunch(lambda cfg, req: ok()),
               storage=optuna.storages.InMemoryStorage())

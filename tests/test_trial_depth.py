@@ -15,7 +15,8 @@ from autotune.depth import DepthPoint, interval_at, line_check, step_time_at
 from autotune.errors import UsageError
 from autotune.study.record import Attr, StudyAttr, is_extrapolated
 from autotune.config import FsdpConfig
-from autotune.study.trial_depth import DepthPlan, after_check, parse_trial_depth, plan_depths, whole_because
+from autotune.study.depth_setting import TrialDepth
+from autotune.study.trial_depth import DepthPlan, after_check, plan_depths, whole_because
 from tests.test_objective import MODEL, MiB, ScriptedEstimator, ok, run, settings
 
 SPACE = ("fsdp_version: 2\nsharding_strategy: [FULL_SHARD, SHARD_GRAD_OP]\nmixed_precision: bf16\n"
@@ -34,26 +35,26 @@ def test_the_line_through_the_copies_predicts_the_full_depth():
 
 
 def test_auto_shallows_a_deep_model_and_keeps_a_shallow_one_whole_saying_why():
-    assert plan_depths("auto", 32, 1, True, True).depths == (4, 8)
-    tiny = plan_depths("auto", 4, 1, True, True)  # llama-tiny: as it is, as the default run always was
+    assert plan_depths(TrialDepth.parse("auto"), 32, 1, True, True).depths == (4, 8)
+    tiny = plan_depths(TrialDepth.parse("auto"), 4, 1, True, True)  # llama-tiny: as it is, as the default run always was
     assert not tiny.shallow and "twice cheaper" in tiny.reason
-    assert not plan_depths("auto", 32, 1, True, estimated=False).shallow  # fit needs the full-depth estimate
-    assert "module:function" in plan_depths("auto", 32, 1, buildable=False, estimated=True).reason
-    assert not plan_depths("full", 80, 1, True, True).shallow
+    assert not plan_depths(TrialDepth.parse("auto"), 32, 1, True, estimated=False).shallow  # fit needs the full-depth estimate
+    assert "module:function" in plan_depths(TrialDepth.parse("auto"), 32, 1, buildable=False, estimated=True).reason
+    assert not plan_depths(TrialDepth.parse("full"), 80, 1, True, True).shallow
     # Blocks that repeat in pairs (alternating attention, or checkpointing every other block): copies of whole pairs.
-    assert plan_depths("auto", 48, 2, True, True).depths == (4, 8)
-    assert plan_depths("auto", 80, 3, True, True).depths == (6, 9)
-    assert plan_depths("auto", 120, 10, True, True).depths == (10, 20)  # whole repeating units, two of them
-    assert plan_depths("4,16", 32, 1, True, True).depths == (4, 16)
+    assert plan_depths(TrialDepth.parse("auto"), 48, 2, True, True).depths == (4, 8)
+    assert plan_depths(TrialDepth.parse("auto"), 80, 3, True, True).depths == (6, 9)
+    assert plan_depths(TrialDepth.parse("auto"), 120, 10, True, True).depths == (10, 20)  # whole repeating units, two of them
+    assert plan_depths(TrialDepth.parse("4,16"), 32, 1, True, True).depths == (4, 16)
     with pytest.raises(UsageError, match="32 blocks"):
-        plan_depths("4,40", 32, 1, True, True)
+        plan_depths(TrialDepth.parse("4,40"), 32, 1, True, True)
     for bad in ("deep", "8,4", "0,4", "4"):
         with pytest.raises(UsageError, match=f"--trial-depth {bad}: give auto, full, or two block counts"):
-            parse_trial_depth(bad)
+            TrialDepth.parse(bad)
 
 
 def test_the_check_keeps_the_copies_on_the_line_and_goes_deeper_or_whole_off_it():
-    plan = plan_depths("auto", 48, 1, True, True)
+    plan = plan_depths(TrialDepth.parse("auto"), 48, 1, True, True)
     assert plan.request_depths() == (4, 8, 12)  # the first shallow trial times a third copy
     points = [{"depth": d, "step_time_s": 0.1 + 0.04 * d, "ci_low_s": None, "ci_high_s": None} for d in (4, 8, 12)]
     kept = after_check(plan, points, 0.02)
@@ -67,7 +68,7 @@ def test_the_check_keeps_the_copies_on_the_line_and_goes_deeper_or_whole_off_it(
 def test_configurations_whose_units_span_blocks_run_whole_in_a_shallow_study():
     """Size-based units larger than a block gather the blocks as one unit that grows with the depth: FSDP1 at 1e6
     over blocks of 0.79M came out 34.0% faster on the copies' line than at full depth (benchmarks/shallow_trials.py)."""
-    plan = plan_depths("auto", 32, 1, True, True, block_params=790_000)
+    plan = plan_depths(TrialDepth.parse("auto"), 32, 1, True, True, block_params=790_000)
     layer = ("LlamaDecoderLayer",)
     per_block = FsdpConfig(transformer_layer_cls=layer)
     small_units = FsdpConfig(auto_wrap_policy="size_based", min_num_params=100_000, transformer_layer_cls=layer)
@@ -177,14 +178,14 @@ def test_a_resumed_study_keeps_its_depth_and_refuses_another_in_one_line(tmp_pat
 
     storage = f"sqlite:///{tmp_path}/depth.db"
     first = settings(tmp_path, SPACE)
-    first = dataclasses.replace(first, study=dataclasses.replace(first.study, storage_url=storage, trial_depth="auto"))
+    first = dataclasses.replace(first, study=dataclasses.replace(first.study, storage_url=storage, trial_depth=TrialDepth.parse("auto")))
     from autotune.study.settings import load_or_create_study
     from autotune.study.storage import open_storage
 
     load_or_create_study(first, open_storage(storage))
     unsaid = dataclasses.replace(first, study=dataclasses.replace(first.study, trial_depth=None))
     assert check_resumable(unsaid)["trial_depth"] == "auto"  # a rerun without the flag takes the study's
-    changed = dataclasses.replace(first, study=dataclasses.replace(first.study, trial_depth="full"))
+    changed = dataclasses.replace(first, study=dataclasses.replace(first.study, trial_depth=TrialDepth.parse("full")))
     with pytest.raises(UsageError, match="created with --trial-depth auto, not --trial-depth full"):
         check_resumable(changed)
     older = optuna.load_study(study_name="s", storage=storage)
@@ -200,3 +201,48 @@ def test_a_model_whose_blocks_alternate_repeats_by_its_pattern():
     assert block_period(None) == 1 and block_period(["full_attention"] * 8) == 1
     assert block_period(["sliding_attention", "full_attention"] * 4) == 2  # Gemma 2's alternation
     assert block_period((["sliding_attention"] * 5 + ["full_attention"]) * 4) == 6  # Gemma 3's five to one
+
+
+def test_a_shallow_trial_extends_its_copies_peaks_checks_them_and_alternates_their_order(tmp_path, monkeypatch):
+    """Issue 42, item 4: each shallow trial runs its copies in the order the study alternates, records it, and
+    extends the copies' tensor peaks to full depth: that figure is checked against the memory estimate (beyond
+    the margin is recorded and said) and calibrates the margin as a full-depth trial's peak does."""
+    import autotune.study.runner as runner
+    from autotune.study.margin import default_margin, line_peak_check
+    from autotune.study.record import measured_samples
+
+    monkeypatch.setattr(runner, "_builds_at_any_depth", lambda model: True)
+    orders = []
+
+    def answer(cfg, request):
+        if not request.depths:
+            return ok(speed(cfg) * 0.95)
+        ran = sorted(request.depths, reverse=request.deepest_first)
+        orders.append(ran)
+        # At full depth, micro batch 1's copies reach the estimate; micro batch 2's a fifth over it.
+        full = peak(cfg) * (1.2 if cfg.micro_batch_size == 2 else 1.0)
+        points = [DepthPoint(d, 0.1 * d, 0.09 * d, 0.11 * d, 6, None, round(full * (8 + d) / 40), ran.index(d)).to_dict()
+                  for d in request.depths]
+        return TrialResult(status="ok", tokens_per_s=speed(cfg), step_time_median_s=1.0, world_size=2, device="cpu",
+                           depth_points=points, full_depth=32,
+                           line_check=0.01 if len(request.depths) == 3 else None)
+
+    outcome, _, _ = run(tmp_path, SPACE, answer, estimator=ScriptedEstimator(peak), trials=5, confirm=0,
+                        model_info=DEEP)
+    shallow_trials = [t for t in outcome.study.trials if is_extrapolated(t)]
+    assert len(shallow_trials) >= 4
+    assert [o[0] < o[-1] for o in orders[:4]] == [True, False, True, False]
+    assert [t.user_attrs[Attr.COPIES_ORDER] for t in shallow_trials[:2]] == ["shallowest first", "deepest first"]
+    checked = [t for t in shallow_trials if Attr.PREDICTED_PEAK_BYTES in t.user_attrs]
+    assert len(checked) >= 3  # the rest the gate judged without an estimate of their own: nothing to check against
+    for t in checked:
+        cfg = FsdpConfig.from_dict(t.user_attrs["config"])
+        check = t.user_attrs[Attr.LINE_PEAK_CHECK]
+        expected = 1.2 if cfg.micro_batch_size == 2 else 1.0
+        assert t.user_attrs[Attr.LINE_TENSOR_PEAK_BYTES] == pytest.approx(expected * peak(cfg), rel=1e-6)
+        assert check["ratio"] == pytest.approx(expected, abs=1e-3) and check["agrees"] == (expected == 1.0)
+    # What the trial's line says (the settings here are quiet): beyond the margin in capitals.
+    beyond = line_peak_check(120 * MiB, 100 * MiB, default_margin("cpu"))
+    assert "1.200x the estimate (BEYOND the margin's 0.960-1.040)" in beyond.describe()
+    samples = measured_samples(outcome.study, 100 * MiB)
+    assert len(samples) == len(checked)

@@ -153,3 +153,23 @@ def test_a_hopeless_trial_stops_after_its_first_warm_up_step_with_its_partial_fi
     assert result.timed_steps == 0 and result.rank_memory == []
     assert 0 < result.tokens_per_s < 1e12 / 4
     assert result.peak_memory_bytes is None  # the memory step never ran
+
+
+def test_a_shallow_trial_runs_its_copies_in_the_order_asked_and_measures_their_peaks(grid_results, tmp_path_factory,
+                                                                                     forks):
+    """Issue 42, item 4: the copies run deepest first when asked, the record says in which order, and each
+    measures its tensor peak; the line through the peaks of llama-tiny's copies of 2 and 3 blocks, extended to
+    its 4, lands on the full-depth trial's measured peak."""
+    from autotune.depth import DepthPoint, peak_at
+
+    cfg = FsdpConfig(fsdp_version=2, sharding_strategy="FULL_SHARD", activation_checkpointing="none",
+                     transformer_layer_cls=("LlamaDecoderLayer",), micro_batch_size=2)
+    outcome = _run(tmp_path_factory, cfg, forks=forks, depths=(2, 3), full_depth=4, deepest_first=True)
+    result = outcome.result
+    assert result.status == "ok", f"{result.error}\n{outcome.log_path.read_text()[-3000:]}"
+    points = [DepthPoint.from_dict(p) for p in result.depth_points]
+    assert [(p.depth, p.order) for p in points] == [(2, 1), (3, 0)]
+    assert points[0].tensor_peak_bytes < points[1].tensor_peak_bytes
+    full = grid_results[(2, "FULL_SHARD", "none")].result
+    whole = max(m.tensor_peak for m in full.rank_memory)
+    assert peak_at(points, 4) == pytest.approx(whole, rel=0.03)

@@ -54,6 +54,10 @@ class TrialRequest:
     # job, and their line extended to ``full_depth`` blocks; empty: the model as it is.
     depths: tuple[int, ...] = ()
     full_depth: int | None = None
+    # Run the copies deepest first: a study alternates the order from one shallow trial to the next, so that a
+    # drift between the copies of one job (the second runs warmer, or later in a noisy machine's minute) shows in
+    # the record instead of tilting every line the same way.
+    deepest_first: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, Mapping):
@@ -95,6 +99,7 @@ class TrialRequest:
             check_type("timing_budget_s", self.timing_budget_s, float)
             if self.timing_budget_s <= 0:
                 raise ConfigError(f"timing_budget_s={self.timing_budget_s} must be greater than 0")
+        check_type("deepest_first", self.deepest_first, bool)
         if isinstance(self.depths, list):
             object.__setattr__(self, "depths", tuple(self.depths))
         if self.depths:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from autotune.config import FsdpConfig
 from autotune.config.estimate_method import EstimateMethod, SlackClass, slack_class
@@ -90,6 +90,42 @@ def default_margin(device_type: str, outside_bytes: int | None = None) -> Margin
                                                  f"allocator ({where})")
     # On CPU the trial measures the same quantity the estimator predicts.
     return Margin(1.0, 0, "none (CPU trials measure tensor bytes too)")
+
+
+@dataclass(frozen=True)
+class LinePeakCheck:
+    """A shallow trial's copies' tensor peaks, extended to full depth, against the memory estimate's: their ratio
+    and the range the margin allows (its low factor for the estimate's method to its factor, at least the
+    estimator's exact slack on the high side, which the CPU's factor of 1 would leave at none)."""
+
+    line_bytes: int
+    predicted_bytes: int
+    low: float
+    high: float
+
+    @property
+    def ratio(self) -> float:
+        return self.line_bytes / self.predicted_bytes
+
+    @property
+    def agrees(self) -> bool:
+        return self.low <= self.ratio <= self.high
+
+    def describe(self) -> str:
+        where = "within" if self.agrees else "BEYOND"
+        return (f"the copies' peaks extended to full depth {self.ratio:.3f}x the estimate ({where} the margin's "
+                f"{self.low:.3f}-{self.high:.3f})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"line_bytes": self.line_bytes, "predicted_bytes": self.predicted_bytes, "ratio": round(self.ratio, 4),
+                "low": round(self.low, 4), "high": round(self.high, 4), "agrees": self.agrees}
+
+
+def line_peak_check(line_bytes: int, predicted_bytes: int, margin: Margin,
+                    method: str | EstimateMethod | None = None) -> LinePeakCheck:
+    """The copies' line against the estimate (:class:`LinePeakCheck`)."""
+    high = max(margin.factor, 1.0 + ESTIMATE_SLACK[SlackClass.EXACT])
+    return LinePeakCheck(line_bytes, predicted_bytes, margin.low_factor(method), high)
 
 
 def fit_chance(margin: Margin, tensor_peak: int, budget_bytes: int,

@@ -29,6 +29,7 @@ from autotune.study.claims import Claims, runner_identity
 from autotune.study.equivalence import Topology, canonical
 from autotune.study.optuna_internals import fixed_params
 from autotune.study.gate import MemoryGate
+from autotune.study.margin import Margin, line_peak_check
 from autotune.study.settings import RunSettings
 from autotune.study.record import (
     CONSTRAINT_KEY, Attr, Cause, best_search_trial, copy_measurement, crash_signature, first_line, set_constraint,
@@ -40,6 +41,7 @@ from autotune.study.planned_sampler import PlannedSampler
 from autotune.study.search import ModelSearch
 from autotune.study.space import SearchSpace
 from autotune.study.speed_checks import SpeedWatch
+from autotune.study.depth_setting import DepthMode, TrialDepth
 from autotune.study.trial_depth import DepthPlan, StudyDepth
 from autotune.units import format_bytes
 
@@ -125,7 +127,8 @@ def record_out_of_memory(trial: optuna.Trial, result: TrialResult, budget_bytes:
 
 
 def trial_request(settings: RunSettings, cfg: FsdpConfig, abort_below: float | None,
-                  depths: tuple[int, ...] = (), full_depth: int | None = None) -> TrialRequest:
+                  depths: tuple[int, ...] = (), full_depth: int | None = None,
+                  deepest_first: bool = False) -> TrialRequest:
     """The torchrun job of one trial of ``cfg``: the study's question, how to measure it, and its depths."""
     question, measure = settings.study, settings.measure
     return TrialRequest(fsdp=cfg, model=question.model, seq_len=question.seq_len, warmup_steps=measure.warmup_steps,
@@ -134,7 +137,8 @@ def trial_request(settings: RunSettings, cfg: FsdpConfig, abort_below: float | N
                         grad_accum_steps=settings.grad_accum_steps(cfg.micro_batch_size),
                         memory_budget_bytes=question.budget_bytes, timing_lock=settings.execution.timing_lock,
                         lora=question.lora,
-                        depths=depths, full_depth=full_depth if depths else None, abort_below_tokens_per_s=abort_below)
+                        depths=depths, full_depth=full_depth if depths else None, deepest_first=deepest_first,
+                        abort_below_tokens_per_s=abort_below)
 
 
 def _tokens_per_s(result: TrialResult) -> float:
@@ -144,14 +148,23 @@ def _tokens_per_s(result: TrialResult) -> float:
     return float(result.tokens_per_s)
 
 
-def record_extrapolated(trial: optuna.Trial, result: TrialResult, budget_bytes: int) -> str:
-    """A shallow trial: its line's speed and the fit the full-depth estimate predicted; its line."""
+def record_extrapolated(trial: optuna.Trial, result: TrialResult, budget_bytes: int, margin: Margin) -> str:
+    """A shallow trial: its line's speed and the fit the full-depth estimate predicted, its copies' peaks against
+    that estimate; its line."""
     peak = write_extrapolated(trial, result, budget_bytes)
     fit = ("fits by the estimate" if peak is None else f"predicted {format_bytes(peak)}, "
            + ("fits" if peak <= budget_bytes else f"OVER budget by {format_bytes(peak - budget_bytes)}"))
     copies = " and ".join(str(p["depth"]) for p in result.depth_points)
+    order = trial.user_attrs.get(Attr.COPIES_ORDER)
     check = f", the middle copy {100 * result.line_check:+.1f}% off the line" if result.line_check is not None else ""
-    return (f"{result.tokens_per_s:,.0f} tok/s extrapolated from {copies} blocks to {result.full_depth}{check}, {fit}, "
+    line, predicted = trial.user_attrs.get(Attr.LINE_TENSOR_PEAK_BYTES), trial.user_attrs.get(Attr.PREDICTED_PEAK_BYTES)
+    memory = ""
+    if line and predicted:
+        verdict = line_peak_check(line, predicted, margin, trial.user_attrs.get(Attr.PREDICTION_METHOD))
+        trial.set_user_attr(Attr.LINE_PEAK_CHECK, verdict.to_dict())
+        memory = f"; {verdict.describe()}"
+    return (f"{result.tokens_per_s:,.0f} tok/s extrapolated from {copies} blocks"
+            + (f" ({order})" if order else "") + f" to {result.full_depth}{check}, {fit}{memory}, "
             f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
 
 
@@ -175,16 +188,15 @@ class Objective:
                  launch: LaunchFn, gate: MemoryGate, claims: Claims, reporter: Reporter, folder: Path,
                  search: ModelSearch | None = None, sampler: PlannedSampler | None = None,
                  speed: SpeedWatch | None = None) -> None:
-        self.study, self.settings, self.host, self.model = study, settings, host, model
+        self.study, self.settings, self.host, self.model, self.folder = study, settings, host, model, folder
         self.launch, self.gate, self.claims, self.reporter = launch, gate, claims, reporter
         # Predictions before each launch, calibration after it (inert without a speed model).
         self.speed = speed or SpeedWatch(None, self.best_value)
-        self.folder = folder
         self.topology = topology_of(settings, model)
         # autotune's own search proposes each draw (the sampler delivers it); without it, Optuna's sampler draws.
         self.search, self.sampler = search, sampler
         # How search trials meet the model's depth (the runner hands in the study's plan).
-        self.depth = StudyDepth(DepthPlan("full", model.num_layers))
+        self.depth = StudyDepth(DepthPlan(TrialDepth(DepthMode.FULL), model.num_layers))
         self.counts = RunCounts()
         self._lock = threading.RLock()
 
@@ -245,7 +257,8 @@ class Objective:
         # The confirmation rounds measure the model as it is: the verdict is full depth's.
         depths = () if Attr.CONFIRMATION_ROUND in trial.user_attrs else self.depth.depths_for(cfg, trial)
         abort_below = best / ABORT_FACTOR if best and abort else None
-        request = trial_request(self.settings, cfg, abort_below, depths, self.depth.plan.full_depth)
+        request = trial_request(self.settings, cfg, abort_below, depths, self.depth.plan.full_depth,
+                                self.depth.next_deepest_first() if depths else False)
         trial_dir = self.folder / "trials" / str(trial.number)
         self.reporter.show_state(f"#{trial.number} running: {cfg.describe()}", len(self.counts.trial_wall_s), best)
         # Every trial holds its devices: other tuners on this host wait their turn.
@@ -270,7 +283,7 @@ class Objective:
         if result.status == Status.OK:
             self.speed.after_measure(trial, cfg, result)
         if result.status == Status.OK and result.depth_points:
-            self._line(trial, cfg, record_extrapolated(trial, result, budget))
+            self._line(trial, cfg, record_extrapolated(trial, result, budget, self.gate.margin()))
             self.depth.after_trial(result.depth_points, result.line_check)
             return _tokens_per_s(result)
         if result.status == Status.OK:

@@ -116,6 +116,12 @@ class Attr:
     DEPTH_POINTS = "depth_points"  # each copy's DepthPoint.to_dict()
     FULL_DEPTH = "full_depth"  # the depth the line was extended to
     LINE_CHECK = "line_check"  # a third copy's distance off the line, relative (None with two copies)
+    # The copies' tensor peaks extended to full depth (autotune.depth.peak_at): a shallow trial's measured
+    # memory, which calibrates the margin as a full-depth trial's does; and that against the memory estimate
+    # (autotune.study.margin.LinePeakCheck.to_dict()).
+    LINE_TENSOR_PEAK_BYTES = "line_tensor_peak_bytes"
+    LINE_PEAK_CHECK = "line_peak_check"
+    COPIES_ORDER = "copies_order"  # "shallowest first" or "deepest first"
     WHOLE_BECAUSE = "whole_because"  # why a shallow study ran this search trial at full depth
 
 
@@ -279,6 +285,7 @@ def write_extrapolated(trial: Any, result: TrialResult, budget_bytes: int) -> in
     trial.set_user_attr(Attr.DEPTH_POINTS, result.depth_points)
     trial.set_user_attr(Attr.FULL_DEPTH, result.full_depth)
     trial.set_user_attr(Attr.LINE_CHECK, result.line_check)
+    write_copies_memory(trial, result)
     predicted = trial.user_attrs.get(Attr.PREDICTED_DEVICE_PEAK_BYTES)
     if predicted is None:
         set_constraint(trial, -1.0)
@@ -287,6 +294,24 @@ def write_extrapolated(trial: Any, result: TrialResult, budget_bytes: int) -> in
     trial.set_user_attr(Attr.PEAK_MEMORY_GIB, round(predicted / 2**30, 4))
     set_constraint(trial, float(predicted - budget_bytes))
     return int(predicted)
+
+
+def write_copies_memory(trial: Any, result: TrialResult) -> None:
+    """What a shallow trial's copies show of the full model's memory: their tensor peaks' line at full depth,
+    the order they ran in, and what lies outside the allocator (the same at any depth: the context, NCCL)."""
+    from autotune.depth import DepthPoint, peak_at
+
+    points = [DepthPoint.from_dict(p) for p in result.depth_points]
+    line = peak_at(points, result.full_depth) if points and result.full_depth else None
+    if line is not None:
+        trial.set_user_attr(Attr.LINE_TENSOR_PEAK_BYTES, line)
+    ordered = sorted(points, key=lambda p: p.depth)
+    if ordered and ordered[0].order is not None and ordered[-1].order is not None:
+        trial.set_user_attr(Attr.COPIES_ORDER,
+                            "shallowest first" if ordered[0].order < ordered[-1].order else "deepest first")
+    outside = [m.outside_allocator for m in result.rank_memory if m.outside_allocator is not None]
+    if outside:
+        trial.set_user_attr(Attr.OUTSIDE_ALLOCATOR_BYTES, max(outside))
 
 
 def is_extrapolated(trial: Any) -> bool:
@@ -303,16 +328,23 @@ def write_failure(trial: Any, result: TrialResult, cause: str) -> None:
 
 def measured_samples(study: Any, budget_bytes: int) -> list[Sample]:
     """Each launched trial with a prediction, against what it needed: its tensor
-    peak, or for one out of memory under the cap, the cap (a lower bound)."""
+    peak (a shallow trial's: its copies' peaks extended to full depth), or for
+    one out of memory under the cap, the cap (a lower bound)."""
     from optuna.trial import TrialState
 
     samples = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         attrs = t.user_attrs
         predicted = attrs.get(Attr.PREDICTED_PEAK_BYTES)
-        if not predicted or Attr.REUSED_FROM in attrs or attrs.get(Attr.EXTRAPOLATED):
-            continue  # a shallow trial measured no full-depth memory
+        if not predicted or Attr.REUSED_FROM in attrs:
+            continue
         outside = attrs.get(Attr.OUTSIDE_ALLOCATOR_BYTES)
+        if attrs.get(Attr.EXTRAPOLATED):
+            if attrs.get(Attr.LINE_TENSOR_PEAK_BYTES) and attrs.get(Attr.STATUS) == Status.OK:
+                # The copies' peaks extended to full depth: as measured as a shallow trial's memory gets.
+                samples.append(Sample(attrs[Attr.LINE_TENSOR_PEAK_BYTES], predicted,
+                                      attrs.get(Attr.PREDICTION_METHOD), outside))
+            continue
         if attrs.get(Attr.STATUS) == Status.OK:
             # Trials recorded before tensor peaks were kept: the device peak less what lies outside.
             needed = attrs.get(Attr.TENSOR_PEAK_BYTES) or attrs.get(Attr.PEAK_MEMORY_BYTES, 0) - (outside or 0)

@@ -49,6 +49,7 @@ from autotune.speed.fsdp_schedule import Placement
 from autotune.speed.host_profile import host_profile, nearest_named
 from autotune.study.verdict import Role, Verdict, store_verdict
 from autotune.study.stopping import MAX_IDLE_DRAWS, Stopper, StopReason
+from autotune.study.depth_setting import DEFAULT_TRIAL_DEPTH
 from autotune.study.trial_depth import DepthPlan, StudyDepth, plan_depths
 from autotune.presets import parse_model_spec
 from autotune.study.storage import open_storage, study_dir
@@ -218,11 +219,11 @@ def speed_oracle(settings: RunSettings, host: HostInfo, model: ModelInfo, gate: 
 def depth_plan(study: optuna.Study, settings: RunSettings, model: ModelInfo, say: Callable[[str], None]) -> DepthPlan:
     """The study's plan for its trials' depth: the one it stored, when made with this
     setting (a resumed study keeps the depths its line's check chose), else a new one."""
-    setting = settings.study.trial_depth or "auto"
+    setting = settings.study.trial_depth or DEFAULT_TRIAL_DEPTH
     stored = study.user_attrs.get(StudyAttr.TRIAL_DEPTH)
-    if stored and stored.get("setting") == setting:
+    if stored and stored.get("setting") == str(setting):
         return DepthPlan.from_dict(stored)
-    plan = plan_for(settings, model)
+    plan = settings.depth_plan or plan_for(settings, model)
     study.set_user_attr(StudyAttr.TRIAL_DEPTH, plan.to_dict())
     say(f"Trials: {plan.describe()}.")
     return plan
@@ -230,7 +231,7 @@ def depth_plan(study: optuna.Study, settings: RunSettings, model: ModelInfo, say
 
 def plan_for(settings: RunSettings, model: ModelInfo) -> DepthPlan:
     """The depth plan ``settings`` ask of ``model`` (a UsageError for depths it cannot take)."""
-    return plan_depths(settings.study.trial_depth or "auto", model.num_layers, model.block_period,
+    return plan_depths(settings.study.trial_depth or DEFAULT_TRIAL_DEPTH, model.num_layers, model.block_period,
                        _builds_at_any_depth(settings.study.model), settings.search.use_estimate,
                        tuple(settings.study.space.choices.get("activation_checkpointing", ())), model.block_params)
 

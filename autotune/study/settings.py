@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING, Any
 from autotune.config import DEFAULT_TIMED_STEPS, MIN_WARMUP_STEPS, SEARCHES, LoraSpec, accumulation_steps
 from autotune.errors import UsageError
 from autotune.launch.locks import timing_lock_path
+from autotune.study.depth_setting import DEFAULT_TRIAL_DEPTH, TrialDepth
 from autotune.study.storage import open_storage, sqlite_path
 
 if TYPE_CHECKING:
     import optuna
+
+    from autotune.study.trial_depth import DepthPlan
 
     from autotune.study.space import SearchSpace
 
@@ -49,9 +52,8 @@ class StudySettings:
     hub_id: str | None = None
     # The workload: LoRA adapters on frozen weights, or (None) full training.
     lora: LoraSpec | None = None
-    # --trial-depth: "auto", "full" or "N,M" (autotune.study.trial_depth); None: what the study was created with,
-    # else "auto".
-    trial_depth: str | None = None
+    # --trial-depth (autotune.study.depth_setting); None: what the study was created with, else the default.
+    trial_depth: TrialDepth | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class RunSettings:
     execution: ExecutionSettings = ExecutionSettings()
     # What check_resumable found of the study these settings resume ({} for a new one); None: not checked yet.
     stored_identity: dict[str, Any] | None = None
+    # The plan of the trials' depth for the probed model, made once where the run's flags are checked
+    # (autotune.study.runner.plan_for); None: the study makes it.
+    depth_plan: DepthPlan | None = None
 
     @property
     def world_size(self) -> int:
@@ -151,7 +156,7 @@ def study_identity(settings: RunSettings) -> dict[str, Any]:
         "nnodes": settings.study.nnodes,
         # A LoRA study never resumes a full one, nor one of another rank or targets.
         "lora": settings.study.lora.to_dict() if settings.study.lora is not None else None,
-        "trial_depth": settings.study.trial_depth,
+        "trial_depth": str(settings.study.trial_depth) if settings.study.trial_depth is not None else None,
     }
 
 
@@ -195,7 +200,8 @@ def checked_for_resume(settings: RunSettings) -> RunSettings:
     if settings.stored_identity is not None:
         return settings
     stored = check_resumable(settings)
-    depth = settings.study.trial_depth or stored.get("trial_depth") or "auto"
+    depth = settings.study.trial_depth or (TrialDepth.parse(stored["trial_depth"]) if stored.get("trial_depth")
+                                           else DEFAULT_TRIAL_DEPTH)
     return replace(settings, study=replace(settings.study, trial_depth=depth), stored_identity=stored)
 
 

@@ -29,9 +29,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from autotune.config import FsdpConfig
 from autotune.errors import UsageError
+from autotune.study.depth_setting import DepthMode, TrialDepth
 from autotune.study.record import Attr
 
-SETTINGS = ("auto", "full")
 # The copies a deep model's trials time first (the check's third is as far beyond the deeper as they are apart).
 DEPTHS = (4, 8)
 # How far the third copy may lie off the line (relative to its step time), beyond its own timing noise.
@@ -42,7 +42,7 @@ LINE_TOLERANCE = 0.05
 class DepthPlan:
     """How a study's search trials meet the model's depth."""
 
-    setting: str  # "auto", "full" or "N,M", as given
+    setting: TrialDepth
     full_depth: int | None  # the model's blocks (None: unknown)
     depths: tuple[int, ...] = ()  # the copies' depths; empty: the model as it is
     reason: str = ""  # why, in words
@@ -60,19 +60,21 @@ class DepthPlan:
         none for a configuration whose units do not follow the blocks."""
         if cfg is not None and self.shallow and whole_because(cfg, self.block_params) is not None:
             return ()
-        if not self.shallow or self.check is not None or self.setting != "auto":
+        if not self.shallow or self.check is not None or self.setting.mode != DepthMode.AUTO:
             return self.depths
         third = _check_depth(self.depths)
         return self.depths + (third,) if third is not None and third < (self.full_depth or 0) else self.depths
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["setting"] = str(self.setting)
         data["depths"] = list(self.depths)
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DepthPlan:
-        return cls(setting=data["setting"], full_depth=data.get("full_depth"), depths=tuple(data.get("depths") or ()),
+        return cls(setting=TrialDepth.parse(data["setting"]), full_depth=data.get("full_depth"),
+                   depths=tuple(data.get("depths") or ()),
                    reason=data.get("reason", ""), check=data.get("check"), block_params=data.get("block_params"))
 
     def describe(self) -> str:
@@ -95,18 +97,7 @@ def whole_because(cfg: FsdpConfig, block_params: int | None) -> str | None:
     return None
 
 
-def parse_trial_depth(text: str) -> str:
-    """``auto``, ``full`` or ``N,M`` (two increasing block counts); a UsageError names anything else."""
-    value = text.strip().lower()
-    if value in SETTINGS:
-        return value
-    parts = [p.strip() for p in value.split(",")]
-    if len(parts) == 2 and all(p.isdigit() for p in parts) and 0 < int(parts[0]) < int(parts[1]):
-        return f"{int(parts[0])},{int(parts[1])}"
-    raise UsageError(f"--trial-depth {text}: give auto, full, or two block counts N,M with N < M (like 4,8)")
-
-
-def plan_depths(setting: str, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
+def plan_depths(setting: TrialDepth, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
                 space_checkpointing: tuple[str, ...] = (), block_params: int | None = None) -> DepthPlan:
     """The study's plan, from the setting and the model (``num_layers`` identical
     blocks repeating every ``block_period``; ``buildable``: a copy of another depth
@@ -115,13 +106,13 @@ def plan_depths(setting: str, num_layers: int | None, block_period: int, buildab
                    block_params=block_params)
 
 
-def _plan_depths(setting: str, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
+def _plan_depths(setting: TrialDepth, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
                  space_checkpointing: tuple[str, ...]) -> DepthPlan:
-    if setting == "full":
+    if setting.mode == DepthMode.FULL:
         return DepthPlan(setting, num_layers)
     why_not = _why_full_depth(num_layers, buildable, estimated)
-    if setting != "auto":
-        depths = tuple(int(p) for p in setting.split(","))
+    if setting.mode == DepthMode.COPIES:
+        depths = setting.copies
         if why_not is not None or num_layers is None:
             raise UsageError(f"--trial-depth {setting}: {why_not}; use --trial-depth full")
         if depths[-1] >= num_layers:
@@ -202,6 +193,15 @@ class StudyDepth:
         self._store, self._say = store, say
         self._lock = threading.Lock()
         self._said: set[str] = set()
+        self._shallow_launched = 0
+
+    def next_deepest_first(self) -> bool:
+        """Whether the next shallow trial runs its copies deepest first: every other one does, so that a drift
+        between a job's first and second copy shows as a difference between the two orders (the record's
+        ``copies_order``) instead of tilting every line one way."""
+        with self._lock:
+            self._shallow_launched += 1
+            return self._shallow_launched % 2 == 0
 
     def depths_for(self, cfg: FsdpConfig, trial: Any) -> tuple[int, ...]:
         """The depths a search trial of ``cfg`` times; a configuration a shallow study runs whole records why on

@@ -74,7 +74,7 @@ def measure_at_depth(request: TrialRequest, rank: Any, mesh: Any, phases: dict[s
         torch.cuda.synchronize(rank.device)
         torch.cuda.reset_peak_memory_stats(rank.device)
 
-    measurement = measure(model, request, built.vocab_size, rank, memory=num_blocks is None)
+    measurement = measure(model, request, built.vocab_size, rank)
     for name, seconds in measurement.phases.items():
         phases[name] = phases.get(name, 0.0) + seconds
 
@@ -87,25 +87,29 @@ def measure_at_depth(request: TrialRequest, rank: Any, mesh: Any, phases: dict[s
 
 def shallow_trial(request: TrialRequest, rank: Any, mesh: Any, phases: dict[str, float]) -> Any:
     """Time the model's copies at ``request.depths``, one after the other in this job
-    (start-up paid once), and extend their line to the full depth (:mod:`autotune.depth`).
+    (start-up paid once; deepest first when asked), and extend their line to the
+    full depth (:mod:`autotune.depth`).
 
     A copy is not stopped as hopeless: its speed is a shallow model's, not the
-    configuration's. Nor is its memory measured: the full model's fit is the
-    memory estimate's word, and a full-depth confirmation's."""
+    configuration's. Each copy measures its peak as a full-depth trial does; the
+    driver extends the peaks' line to the full depth and checks it against the
+    memory estimate, whose word on the fit stands."""
     import dataclasses
     import gc
 
     from autotune.depth import DepthPoint, interval_at, line_check, step_time_at
 
     copies = dataclasses.replace(request, abort_below_tokens_per_s=None)
-    results = []
-    for depth in request.depths:
-        results.append((depth, measure_at_depth(copies, rank, mesh, phases, num_blocks=depth)))
+    order = sorted(request.depths, reverse=request.deepest_first)
+    ran = []
+    for depth in order:
+        ran.append((depth, measure_at_depth(copies, rank, mesh, phases, num_blocks=depth)))
         gc.collect()
         if rank.device.type == "cuda":
             torch.cuda.empty_cache()
-    points = [DepthPoint(depth, r.step_time_median_s, *_step_time_interval(r), r.timed_steps, r.peak_memory_bytes)
-              for depth, r in results]
+    results = sorted(ran, key=lambda pair: pair[0])
+    points = [DepthPoint(depth, r.step_time_median_s, *_step_time_interval(r), r.timed_steps, r.peak_memory_bytes,
+                         _tensor_peak(r), order.index(depth)) for depth, r in results]
     deepest = results[-1][1]
     if deepest.status != Status.OK or any(r.status != Status.OK for _, r in results):
         failed = next(r for _, r in results if r.status != Status.OK)
@@ -125,6 +129,12 @@ def shallow_trial(request: TrialRequest, rank: Any, mesh: Any, phases: dict[str,
         tokens_per_s_ci_high=deepest.tokens_per_step / interval[0] if interval and interval[0] > 0 else None,
         timed_steps=sum(r.timed_steps or 0 for _, r in results), depth_points=[p.to_dict() for p in points],
         full_depth=full, line_check=line_check(points), phases={k: round(v, 4) for k, v in phases.items()})
+
+
+def _tensor_peak(result: Any) -> int | None:
+    """A copy's largest rank's tensor bytes at its peak: what the memory estimate predicts."""
+    peaks = [m.tensor_peak for m in result.rank_memory if m.tensor_peak is not None]
+    return max(peaks) if peaks else None
 
 
 def _step_time_interval(result: Any) -> tuple[float | None, float | None]:
