@@ -244,5 +244,8 @@ def test_a_shallow_trial_extends_its_copies_peaks_checks_them_and_alternates_the
     # What the trial's line says (the settings here are quiet): beyond the margin in capitals.
     beyond = line_peak_check(120 * MiB, 100 * MiB, default_margin("cpu"))
     assert "1.200x the estimate (BEYOND the margin's 0.960-1.040)" in beyond.describe()
+    # A lower bound of the full-depth peak: a line at or above the estimate calibrates the margin's high side.
     samples = measured_samples(outcome.study, 100 * MiB)
     assert len(samples) == len(checked)
+    under = line_peak_check(88 * MiB, 100 * MiB, default_margin("cpu"))
+    assert under.agrees and "under: a lower bound" in under.describe()

@@ -96,7 +96,12 @@ def default_margin(device_type: str, outside_bytes: int | None = None) -> Margin
 class LinePeakCheck:
     """A shallow trial's copies' tensor peaks, extended to full depth, against the memory estimate's: their ratio
     and the range the margin allows (its low factor for the estimate's method to its factor, at least the
-    estimator's exact slack on the high side, which the CPU's factor of 1 would leave at none)."""
+    estimator's exact slack on the high side, which the CPU's factor of 1 would leave at none).
+
+    The line is a lower bound of the full-depth peak: each phase's peak is affine in depth, the step's is their
+    largest, and where another phase takes the peak between the copies and full depth the line through the
+    copies falls short (12.3% on one of 11 configurations, benchmarks/results/shallow_trials_order_cpu.md; 0.0%
+    on 8). So only a line above the margin's high side disagrees with the estimate."""
 
     line_bytes: int
     predicted_bytes: int
@@ -109,10 +114,11 @@ class LinePeakCheck:
 
     @property
     def agrees(self) -> bool:
-        return self.low <= self.ratio <= self.high
+        return self.ratio <= self.high
 
     def describe(self) -> str:
-        where = "within" if self.agrees else "BEYOND"
+        where = ("BEYOND" if not self.agrees else "under: a lower bound, within" if self.ratio < self.low
+                 else "within")
         return (f"the copies' peaks extended to full depth {self.ratio:.3f}x the estimate ({where} the margin's "
                 f"{self.low:.3f}-{self.high:.3f})")
 

@@ -328,8 +328,9 @@ def write_failure(trial: Any, result: TrialResult, cause: str) -> None:
 
 def measured_samples(study: Any, budget_bytes: int) -> list[Sample]:
     """Each launched trial with a prediction, against what it needed: its tensor
-    peak (a shallow trial's: its copies' peaks extended to full depth), or for
-    one out of memory under the cap, the cap (a lower bound)."""
+    peak (a shallow trial's: its copies' peaks extended to full depth, where
+    that reaches the prediction), or for one out of memory under the cap, the
+    cap (a lower bound)."""
     from optuna.trial import TrialState
 
     samples = []
@@ -340,10 +341,11 @@ def measured_samples(study: Any, budget_bytes: int) -> list[Sample]:
             continue
         outside = attrs.get(Attr.OUTSIDE_ALLOCATOR_BYTES)
         if attrs.get(Attr.EXTRAPOLATED):
-            if attrs.get(Attr.LINE_TENSOR_PEAK_BYTES) and attrs.get(Attr.STATUS) == Status.OK:
-                # The copies' peaks extended to full depth: as measured as a shallow trial's memory gets.
-                samples.append(Sample(attrs[Attr.LINE_TENSOR_PEAK_BYTES], predicted,
-                                      attrs.get(Attr.PREDICTION_METHOD), outside))
+            line = attrs.get(Attr.LINE_TENSOR_PEAK_BYTES)
+            if line and line >= predicted and attrs.get(Attr.STATUS) == Status.OK:
+                # The copies' peaks extended to full depth: a lower bound of the full-depth peak
+                # (autotune.study.margin.LinePeakCheck), so it calibrates the margin's high side only.
+                samples.append(Sample(line, predicted, attrs.get(Attr.PREDICTION_METHOD), outside))
             continue
         if attrs.get(Attr.STATUS) == Status.OK:
             # Trials recorded before tensor peaks were kept: the device peak less what lies outside.
