@@ -3,8 +3,11 @@
 Each test plays a GPU's life as the H200 run of 2026-12-04 measured it (a
 first step many times a timed one, memory outside the allocator that grows
 after the first matmul and the first large collective) and checks one defect
-of autotune issue 35 against the worker's own functions, in this process, on
-a one-rank gloo group.
+of autotune issues 35 and 42 against the worker's own functions, in this
+process, on a one-rank gloo group. A trial's model is wrapped with FSDP as
+its request says, on the CPU mesh; on one rank FSDP2 issues no all-gather or
+reduce-scatter (measured: only the timing's and the result's all-reduces
+and gathers reach the scripted GPU), as on one real GPU.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ def request(**overrides) -> TrialRequest:
 
 
 def trial(gpu: FakeGpu, monkeypatch, req: TrialRequest, hidden: int = 32, vocab: int = 64):
-    """What a rank does on ``gpu``: cap the device (when there is a budget), build the model on it, measure, and
-    gather the result, as ``autotune.worker.__main__.run`` does (the model unwrapped: FSDP needs real streams)."""
+    """What a rank does on ``gpu``: cap the device (when there is a budget), build the model on it, wrap it with
+    FSDP as the request says, measure, and gather the result, as ``autotune.worker.__main__.run`` does. FSDP runs
+    on the CPU mesh (its streams are a GPU's own): its all-gathers and reduce-scatters are the scripted GPU's
+    collectives, its unsharded parameters and gradients the allocator's."""
     from autotune.worker.__main__ import cap_device
-    from autotune.worker.fsdp import build_mesh
+    from autotune.worker.fsdp import build_mesh, parallelize
     from autotune.worker.result import build_result
     from autotune.worker.train import measure
 
@@ -56,7 +61,8 @@ def trial(gpu: FakeGpu, monkeypatch, req: TrialRequest, hidden: int = 32, vocab:
         with installed(FakeCuda([gpu])), gpu.active():
             cap_device(req, RANK, mesh)
             torch.manual_seed(0)
-            model = _TinyLM(vocab_size=vocab, hidden=hidden)
+            built = _TinyLM(vocab_size=vocab, hidden=hidden)
+            model = parallelize(built, list(built.blocks), req.fsdp.to_dict(), torch.device("cpu"), mesh)
             measurement = measure(model, req, vocab, RANK)
             return build_result(req, RANK, measurement, sum(p.numel() for p in model.parameters()),
                                 measurement.phases)
