@@ -103,10 +103,12 @@ def test_a_trial_that_trained_under_the_cap_is_not_recorded_over_the_budget(monk
     most the budget. Taken after one tiny all-reduce, as before, the cap left out 11 of those 23 MiB (cuBLAS's
     workspace is the allocator's), and the trial recorded the budget plus 11 MiB: over budget, though it
     trained."""
-    pilot = trial(scripted_gpu(), monkeypatch, request(), hidden=1024, vocab=1024)
+    pilot_gpu = scripted_gpu()
+    pilot = trial(pilot_gpu, monkeypatch, request(), hidden=1024, vocab=1024)
     allocated = pilot.rank_memory[0].peak_allocated
-    # Uncapped, the trial connects no channels of its own (its collectives are tiny): 15 of the 23 MiB.
-    assert pilot.rank_memory[0].outside_allocator == 15 * MiB
+    # Uncapped, what the trial brought up itself: 15 MiB, or 23 with the channels where FSDP2 gathers even on one
+    # rank (torch 2.9; 2.13 issues no collective of its own there).
+    assert pilot.rank_memory[0].outside_allocator == pilot_gpu.outside in (15 * MiB, 23 * MiB)
     outside = 23 * MiB
     # Room for what the trial allocates and 20% more, not for the allocator's 40%: it trains at its cap.
     budget = outside + int(allocated * 1.2)
@@ -307,9 +309,11 @@ def test_fsdp1_without_hybrid_sharding_warms_only_the_group_it_uses(monkeypatch)
     with one_rank_group():
         hybrid = build_mesh("cpu", "HYBRID_SHARD", 1, 1, 1)
         groups = groups_in_use(FsdpConfig(fsdp_version=1, sharding_strategy="HYBRID_SHARD"), hybrid)
-        # One rank: the mesh's dimension that spans the world is the default group itself (torch reuses it), so
-        # the default group carries FSDP's collectives; no other group has anyone to connect to.
-        assert groups == [GroupUse(dist.group.WORLD, bulk=True)]
+        # One rank: no other group has anyone to connect to. torch 2.13 gives the mesh's dimension that spans the
+        # world the default group itself, which then carries FSDP's collectives; torch 2.9 a group of its own, and
+        # the default group carries scalars only.
+        reused = any(hybrid.get_group(dim) is dist.group.WORLD for dim in range(hybrid.ndim))
+        assert groups == [GroupUse(dist.group.WORLD, bulk=reused)]
 
 
 def test_device_locks_are_named_by_uuid_however_the_gpu_is_spelled(monkeypatch, tmp_path):
