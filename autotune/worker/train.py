@@ -127,11 +127,10 @@ def _max_across_ranks(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank, memory: bool = True) -> Measurement:
+def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank) -> Measurement:
     """The trial's schedule: untimed warm-up steps, one memory step, then timed steps
-    (see :func:`time_steps`). A hopeless first step ends it early. Without
-    ``memory`` the memory step is a plain untimed step: a shallow copy's peak is
-    not the model's, and on CPU tracking it costs more than the step."""
+    (see :func:`time_steps`). A hopeless first step ends it early. A shallow copy
+    measures its memory too: the driver extends the copies' peaks to full depth."""
     device, cfg = rank.device, request.fsdp
     optimizer = make_optimizer(model)
     tokens = make_batch(vocab_size, cfg.micro_batch_size, request.seq_len, device, request.seed + rank.rank)
@@ -141,10 +140,8 @@ def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank
 
     start = time.perf_counter()
     hopeless = warm_up(trainer, request, rank, result, per_step)
-    if not hopeless and memory:
+    if not hopeless:
         result.memory = memory_step(trainer, rank, result)
-    elif not hopeless:
-        result.skipped_steps += not trainer.step()
     result.phases["warmup_s"] = time.perf_counter() - start
     if hopeless:
         return result
