@@ -136,3 +136,28 @@ def test_a_resumed_study_calibrates_on_the_trials_it_measured_before(tmp_path):
     # The first run's trials calibrate the second's model (which may then find every configuration left hopeless).
     assert after >= before >= MIN_CALIBRATION
     assert second.study.user_attrs[StudyAttr.SPEED_MODEL]["calibration_trials"] == after
+
+
+def test_a_prediction_made_while_the_profile_changes_is_not_kept():
+    """The oracle keeps each prediction until the work or the profile changes; one begun before a refit (another
+    device slot's trial finished meanwhile) is answered but not kept, so the next asks the refitted profile."""
+    from autotune.study.speed_oracle import SpeedOracle
+
+    oracle = SpeedOracle(MODEL, host_profile(HOST), Placement(2, 1))
+    cfg = FsdpConfig(transformer_layer_cls=LAYER, micro_batch_size=2)
+    oracle.take(cfg, fake_step_answer(cfg, seq_len=32))
+    first = oracle.predict(cfg)
+    assert oracle.predict(cfg) is first  # kept
+    unchanged = oracle._predict
+
+    def refitted_meanwhile(asked):
+        answer = unchanged(asked)
+        oracle.observe(0, asked, 10 * first.step_s)  # ten times slower than predicted: a slower profile
+        return answer
+
+    oracle._predict = refitted_meanwhile
+    oracle.take(cfg, fake_step_answer(cfg, seq_len=32))  # its fake step again: the kept prediction goes
+    during = oracle.predict(cfg)
+    oracle._predict = unchanged
+    after = oracle.predict(cfg)
+    assert after is not during and after.tokens_per_s < during.tokens_per_s

@@ -71,8 +71,10 @@ class SpeedOracle:
         # Configuration key -> (the configuration stepped, its work, the share of its parameters that train).
         self._works: dict[str, tuple[FsdpConfig, ModelWork, float]] = {}
         self._samples: dict[int, Sample] = {}
-        # Predictions already made with the current work and profile (cleared when either changes).
+        # Predictions already made with the current work and profile (cleared when either changes), and how many
+        # times they changed: a prediction begun before a change is not kept after it.
         self._predicted: dict[str, SpeedPrediction | None] = {}
+        self._changes = 0
         self._lock = threading.Lock()
 
     @property
@@ -86,7 +88,7 @@ class SpeedOracle:
         if found is not None:
             with self._lock:
                 self._works[cfg.replace(compile=False).key()] = (cfg.replace(compile=False), *found)
-                self._predicted.clear()
+                self._changed()
 
     def known(self) -> int:
         return len(self._works)
@@ -106,9 +108,11 @@ class SpeedOracle:
         with self._lock:
             if key in self._predicted:
                 return self._predicted[key]
+            begun = self._changes
         predicted = self._predict(cfg)
         with self._lock:
-            self._predicted[key] = predicted
+            if self._changes == begun:
+                self._predicted[key] = predicted
         return predicted
 
     def _predict(self, cfg: FsdpConfig) -> SpeedPrediction | None:
@@ -143,7 +147,12 @@ class SpeedOracle:
         fitted = refit(self.base, samples)
         with self._lock:
             self.profile = fitted
-            self._predicted.clear()
+            self._changed()
+
+    def _changed(self) -> None:
+        """The work or the profile changed (under the lock): every kept prediction is stale."""
+        self._predicted.clear()
+        self._changes += 1
 
     def summary(self) -> dict[str, Any]:
         return {"profile": self.profile.name, "source": self.profile.source,
