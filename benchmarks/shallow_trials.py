@@ -103,8 +103,8 @@ def accuracy(model: str, configs: list[FsdpConfig], repeats: int, depths: tuple[
                         outcome.result.tokens_per_s)
                     points = [DepthPoint.from_dict(p) for p in outcome.result.depth_points]
                     figures[i]["line_peak"].append(peak_at(points, full))
-                else:
-                    figures[i]["full_peak"].append(max(m.tensor_peak or 0 for m in outcome.result.rank_memory))
+                elif outcome.result.tensor_peak is not None:
+                    figures[i]["full_peak"].append(outcome.result.tensor_peak)
                 print(f"round {round_ + 1} {kind:7s} {outcome.result.tokens_per_s:8,.0f} tok/s {outcome.wall_s:5.1f}s "
                       f"{configs[i].describe()}", flush=True)
     finally:

@@ -219,6 +219,12 @@ class TrialResult:
             RankMemory(**r) if isinstance(r, Mapping) else r for r in self.rank_memory
         ]
 
+    @property
+    def tensor_peak(self) -> int | None:
+        """The largest rank's tensor bytes at its peak: what the memory estimate predicts (None: not measured)."""
+        peaks = [m.tensor_peak for m in self.rank_memory if m.tensor_peak is not None]
+        return max(peaks) if peaks else None
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -109,7 +109,7 @@ def shallow_trial(request: TrialRequest, rank: Any, mesh: Any, phases: dict[str,
             torch.cuda.empty_cache()
     results = sorted(ran, key=lambda pair: pair[0])
     points = [DepthPoint(depth, r.step_time_median_s, *_step_time_interval(r), r.timed_steps, r.peak_memory_bytes,
-                         _tensor_peak(r), order.index(depth)) for depth, r in results]
+                         r.tensor_peak, order.index(depth)) for depth, r in results]
     deepest = results[-1][1]
     if deepest.status != Status.OK or any(r.status != Status.OK for _, r in results):
         failed = next(r for _, r in results if r.status != Status.OK)
@@ -129,12 +129,6 @@ def shallow_trial(request: TrialRequest, rank: Any, mesh: Any, phases: dict[str,
         tokens_per_s_ci_high=deepest.tokens_per_step / interval[0] if interval and interval[0] > 0 else None,
         timed_steps=sum(r.timed_steps or 0 for _, r in results), depth_points=[p.to_dict() for p in points],
         full_depth=full, line_check=line_check(points), phases={k: round(v, 4) for k, v in phases.items()})
-
-
-def _tensor_peak(result: Any) -> int | None:
-    """A copy's largest rank's tensor bytes at its peak: what the memory estimate predicts."""
-    peaks = [m.tensor_peak for m in result.rank_memory if m.tensor_peak is not None]
-    return max(peaks) if peaks else None
 
 
 def _step_time_interval(result: Any) -> tuple[float | None, float | None]:
