@@ -65,6 +65,65 @@ def test_the_check_keeps_the_copies_on_the_line_and_goes_deeper_or_whole_off_it(
     assert not whole.shallow and "full depth" in whole.check["verdict"]
 
 
+def copies_phases(start_s: float, copy_s: float, steps_s: float, warmup_steps: float = 2.0) -> dict[str, float]:
+    """A shallow trial's phases, summed over its copies whose step times add up to ``steps_s``."""
+    return {"launch_and_import_s": start_s, "build_s": 3 * copy_s, "wrap_s": 0.0, "first_step_s": steps_s,
+            "warmup_s": steps_s * (1 + warmup_steps), "timed_s": 6 * steps_s}
+
+
+def test_auto_keeps_copies_only_where_the_first_trial_measured_them_twice_cheaper():
+    """Issue 42, item 4: on a GPU each copy pays its own build, wrap and first step after the job's start, so
+    two copies can cost what the full model does; the first shallow trial's measured costs decide."""
+    from autotune.study.depth_cost import measured_cost
+
+    plan = plan_depths(TrialDepth.parse("auto"), 32, 1, True, True)
+
+    def points(fixed, per_block):
+        return [{"depth": d, "step_time_s": fixed + per_block * d, "timed_steps": 24} for d in (4, 8, 12)]
+
+    # A GPU: 8 s to start, 2 s a copy, steps of 20 ms + 10 ms a block.
+    gpu = points(0.02, 0.01)
+    gpu_cost = measured_cost(gpu, copies_phases(8.0, 2.0, sum(p["step_time_s"] for p in gpu)), 8.0)
+    assert gpu_cost.job_s == 8.0 and gpu_cost.copy_s == pytest.approx(2.0)
+    assert gpu_cost.block_step_s == pytest.approx(0.01) and gpu_cost.fixed_step_s == pytest.approx(0.02)
+    assert gpu_cost.warmup_steps == pytest.approx(2.0)
+    kept = after_check(plan, gpu, 0.01, copies_phases(8.0, 2.0, sum(p["step_time_s"] for p in gpu)), 8.0)
+    assert not kept.shallow and kept.check["verdict"] == "on the line, but not twice cheaper: full depth"
+    assert "start 8.0 s, 2.0 s a copy" in kept.reason and kept.check["cost"]["copies_s"] > kept.check["cost"]["full_s"] / 2
+    # Slow steps, a cheap start (a CPU host, a large model): the copies' steps are most of it, and they pay.
+    slow = points(0.1, 0.2)
+    cpu = after_check(plan, slow, 0.01, copies_phases(0.6, 0.3, sum(p["step_time_s"] for p in slow)))
+    assert cpu.depths == (4, 8) and cpu.check["verdict"] == "on the line"
+    assert cpu.check["cost"]["copies_s"] <= cpu.check["cost"]["full_s"] / 2
+    # Off the line, deeper copies must pay too, or the study goes whole.
+    assert not after_check(dataclasses.replace(plan, full_depth=64), gpu, 0.3, copies_phases(8.0, 2.0, 0.3), 8.0).shallow
+    deep = after_check(dataclasses.replace(plan, full_depth=64), slow, 0.3, copies_phases(0.6, 0.3, 5.1))
+    assert deep.depths == (8, 16)
+    # Without phases (a record from before they were measured): the blocks are counted, as the plan did.
+    assert after_check(plan, slow, 0.01).depths == (4, 8)
+
+
+def test_a_study_whose_copies_cost_too_much_goes_on_at_full_depth_and_says_why(tmp_path, monkeypatch):
+    import autotune.study.runner as runner
+
+    monkeypatch.setattr(runner, "_builds_at_any_depth", lambda model: True)
+
+    def answer(cfg, request):
+        if request.depths:
+            result = shallow(speed(cfg), request.depths, check=0.01 if len(request.depths) == 3 else None)
+            result.phases = copies_phases(8.0, 2.0, sum(0.1 * d for d in request.depths))
+            return result
+        return ok(speed(cfg) * 0.95)
+
+    outcome, launch, _ = run(tmp_path, SPACE, answer, estimator=ScriptedEstimator(peak), trials=4, confirm=0,
+                             model_info=DEEP)
+    plan = DepthPlan.from_dict(outcome.study.user_attrs[StudyAttr.TRIAL_DEPTH])
+    assert not plan.shallow and "not twice cheaper" in plan.check["verdict"]
+    search = [t for t in outcome.study.trials if t.user_attrs.get(Attr.STATUS)]
+    assert is_extrapolated(search[0]) and not any(is_extrapolated(t) for t in search[1:])
+    assert plan.reason.startswith("measured: copies of 4 and 8 blocks") and "start 8.0 s, 2.0 s a copy" in plan.reason
+
+
 def test_configurations_whose_units_span_blocks_run_whole_in_a_shallow_study():
     """Size-based units larger than a block gather the blocks as one unit that grows with the depth: FSDP1 at 1e6
     over blocks of 0.79M came out 34.0% faster on the copies' line than at full depth (benchmarks/shallow_trials.py)."""

@@ -284,7 +284,7 @@ class Objective:
             self.speed.after_measure(trial, cfg, result)
         if result.status == Status.OK and result.depth_points:
             self._line(trial, cfg, record_extrapolated(trial, result, budget, self.gate.margin()))
-            self.depth.after_trial(result.depth_points, result.line_check)
+            self.depth.after_trial(result.depth_points, result.line_check, result.phases)
             return _tokens_per_s(result)
         if result.status == Status.OK:
             peak = write_measurement(trial, result, budget)

@@ -197,7 +197,8 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
                           sampler=sampler if search is not None and isinstance(sampler, PlannedSampler) else None,
                           speed=speed)
     objective.depth = StudyDepth(depth_plan(study, settings, model, reporter.say),
-                                 lambda plan: study.set_user_attr(StudyAttr.TRIAL_DEPTH, plan), reporter.say)
+                                 lambda plan: study.set_user_attr(StudyAttr.TRIAL_DEPTH, plan), reporter.say,
+                                 settings.measure.timing_budget_s)
     space_keys = {c.key() for c in candidates} if len(candidates) <= 4 * MAX_IDLE_DRAWS or search else None
     stopper = Stopper(objective.counts, settings.search.trials, space_keys, reporter, search)
     return _Parts(study, settings, host, model, reporter, gate, objective, stopper, forks, search, speed)

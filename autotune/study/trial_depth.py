@@ -1,14 +1,16 @@
 """Which depth a study's trials run at: the model as it is, or shallow copies whose line is extended to it.
 
 ``--trial-depth`` is ``auto`` (the default), ``full`` or two depths ``N,M``.
-``auto`` uses copies of :data:`DEPTHS` blocks when the model's depth makes a
-trial at least twice cheaper that way (the copies together have at most half
-its blocks), and full depth otherwise, with the reason: llama-tiny's 4 blocks
-run whole. The study's first shallow trial also times a third copy (12
-blocks beside 4 and 8); when that copy lies off the line through the other two
-by more than the timing noise allows, the study goes on with deeper copies
-(twice as deep, while still at most half the model) or at full depth, and says
-why (:func:`after_check`). Fit is never a shallow copy's word: it stays the
+``auto`` starts with copies of :data:`DEPTHS` blocks when they have at most
+half the model's blocks, and full depth otherwise, with the reason: llama-tiny's
+4 blocks run whole. The study's first shallow trial also times a third copy (12
+blocks beside 4 and 8), and measures what a trial costs: its start, each copy's
+build, wrap and first step, and its steps by depth (:mod:`autotune.study.depth_cost`).
+When that copy lies off the line through the other two by more than the timing
+noise allows, the study goes on with deeper copies (twice as deep) or at full
+depth; when the copies do not cost at most half of a full-depth trial (on a
+GPU, a job's start and each copy's set-up are most of a trial), at full depth;
+and it says why (:func:`after_check`). Fit is never a shallow copy's word: it stays the
 full-depth memory estimate's, so a study without estimates runs at full depth.
 The plan is stored on the study, which keeps it when resumed.
 
@@ -29,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from autotune.config import FsdpConfig
 from autotune.errors import UsageError
+from autotune.study.depth_cost import measured_cost
 from autotune.study.depth_setting import DepthMode, TrialDepth
 from autotune.study.record import Attr
 
@@ -131,22 +134,39 @@ def _plan_depths(setting: TrialDepth, num_layers: int | None, block_period: int,
     return DepthPlan(setting, num_layers, depths, f"{num_layers} blocks")
 
 
-def after_check(plan: DepthPlan, points: Sequence[Mapping[str, Any]], line_check: float | None) -> DepthPlan:
+def after_check(plan: DepthPlan, points: Sequence[Mapping[str, Any]], line_check: float | None,
+                phases: Mapping[str, float] | None = None, timing_budget_s: float | None = None) -> DepthPlan:
     """The plan once the first shallow trial timed its three copies: kept when the
-    middle copy lies on the line through the others within the timing noise,
-    else deeper copies, else full depth; the check is recorded either way."""
+    middle copy lies on the line through the others within the timing noise and
+    the copies cost at most half of a full-depth trial by what that trial measured
+    (its ``phases``: :func:`autotune.study.depth_cost.measured_cost`), else deeper
+    copies, else full depth; the check is recorded either way."""
     if plan.check is not None or line_check is None or len(points) < 3:
         return plan
     middle = sorted(points, key=lambda p: p["depth"])[1]
     noise = _relative_half_width(middle)
     allowed = LINE_TOLERANCE + noise
     check = {"depths": [p["depth"] for p in points], "off_by": round(line_check, 4), "allowed": round(allowed, 4)}
+    cost = measured_cost(points, phases or {}, timing_budget_s)
+    full = plan.full_depth or 0
+    if cost is not None:
+        check["cost"] = {"copies_s": round(cost.seconds(plan.depths), 2), "full_s": round(cost.seconds((full,)), 2)}
+
+    def cheap(depths: tuple[int, ...]) -> bool:
+        if cost is None:
+            return 2 * sum(depths) <= full
+        return depths[-1] < full and cost.seconds(depths) <= cost.seconds((full,)) / 2
+
     if abs(line_check) <= allowed:
-        return replace(plan, check={**check, "verdict": "on the line"})
+        if cheap(plan.depths):
+            return replace(plan, check={**check, "verdict": "on the line"})
+        assert cost is not None  # the study's plan counted the copies' blocks already
+        return replace(plan, depths=(), reason=f"measured: {cost.describe(plan.depths, full)}: not twice cheaper",
+                       check={**check, "verdict": "on the line, but not twice cheaper: full depth"})
     deeper = tuple(2 * d for d in plan.depths)
     off = (f"the copy of {middle['depth']} blocks lay {100 * abs(line_check):.0f}% off the line through "
            f"{points[0]['depth']} and {points[-1]['depth']} (timing noise allows {100 * allowed:.0f}%)")
-    if 2 * sum(deeper) <= (plan.full_depth or 0):
+    if cheap(deeper):
         return replace(plan, depths=deeper, reason=f"{off}: deeper copies",
                        check={**check, "verdict": f"off the line: copies of {deeper[0]} and {deeper[1]} blocks"})
     return replace(plan, depths=(), reason=f"{off}, and deeper copies would not make a trial twice cheaper",
@@ -188,8 +208,9 @@ class StudyDepth:
     trials time, updated once, by the line's check of the first shallow trial."""
 
     def __init__(self, plan: DepthPlan, store: Callable[[dict[str, Any]], None] = lambda _: None,
-                 say: Callable[[str], None] = lambda _: None) -> None:
+                 say: Callable[[str], None] = lambda _: None, timing_budget_s: float | None = None) -> None:
         self.plan = plan
+        self.timing_budget_s = timing_budget_s  # the full-depth trial's, for its cost
         self._store, self._say = store, say
         self._lock = threading.Lock()
         self._said: set[str] = set()
@@ -218,12 +239,14 @@ class StudyDepth:
             self._say(f"Trial depth: {whole}; such configurations run whole.")
         return depths
 
-    def after_trial(self, points: Sequence[Mapping[str, Any]], line_check: float | None) -> None:
-        """Apply a shallow trial's check of its line (:func:`after_check`), store the plan and say what changed."""
+    def after_trial(self, points: Sequence[Mapping[str, Any]], line_check: float | None,
+                    phases: Mapping[str, float] | None = None) -> None:
+        """Apply a shallow trial's check of its line and cost (:func:`after_check`), store the plan and say what
+        changed."""
         if line_check is None:
             return
         with self._lock:
-            plan = after_check(self.plan, points, line_check)
+            plan = after_check(self.plan, points, line_check, phases, self.timing_budget_s)
             if plan == self.plan:
                 return
             self.plan = plan

@@ -19,6 +19,8 @@ import tempfile
 import time
 from typing import Any
 
+from autotune.launch.process_life import die_with_parent
+
 # Bytes per rank of the sizes timed: from where latency dominates to where bandwidth does.
 SIZES = {"cpu": (64 << 10, 1 << 20, 8 << 20), "cuda": (1 << 20, 16 << 20, 256 << 20)}
 # Timings of each size, of which the median is kept: gloo on a busy host varies by a factor of ten.
@@ -49,10 +51,15 @@ def measure_links(nproc: int, device_type: str, timeout_s: float = 60.0) -> dict
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
+            # A probe killed mid-measurement (the driver stopped, a timeout) must not leave its ranks waiting on
+            # each other: they did, for the process group's 30-minute timeout, 390 of them after a killed
+            # 'run --nproc 512'.
+            die_with_parent()
             os.close(read_fd)
             code = 0
             try:
-                answer = _rank_main(rank, nproc, device_type, store, cores[rank * per_rank:(rank + 1) * per_rank])
+                answer = _rank_main(rank, nproc, device_type, store, cores[rank * per_rank:(rank + 1) * per_rank],
+                                    timeout_s)
                 if rank == 0:
                     os.write(write_fd, json.dumps(answer).encode())
             except BaseException:  # noqa: BLE001 - the parent sees no answer and goes on without one
@@ -83,7 +90,9 @@ def measure_links(nproc: int, device_type: str, timeout_s: float = 60.0) -> dict
             "seconds": round(time.perf_counter() - start, 3)}
 
 
-def _rank_main(rank: int, nproc: int, device_type: str, store_path: str, cores: list[int]) -> dict[str, Any]:
+def _rank_main(rank: int, nproc: int, device_type: str, store_path: str, cores: list[int],
+               timeout_s: float) -> dict[str, Any]:
+    import datetime
     import warnings
 
     import torch
@@ -97,7 +106,8 @@ def _rank_main(rank: int, nproc: int, device_type: str, store_path: str, cores: 
     if device_type == "cuda":
         torch.cuda.set_device(device)
     store = dist.FileStore(store_path, nproc)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=nproc)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=nproc,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     points: dict[str, list[list[float]]] = {}
     try:
         for kind in KINDS:
