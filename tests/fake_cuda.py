@@ -30,7 +30,9 @@ showed it:
   after an illegal memory access.
 
 Tensors stay on the CPU (a ``device="cuda"`` becomes ``"cpu"``), and process
-groups are gloo's. It lives in the tests, never in the package.
+groups are gloo's; a tensor that ``.to(cuda)`` or ``.cuda()`` made is a copy
+that reports the CUDA device, so that code that moves tensors shows where
+they went. It lives in the tests, never in the package.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class FakeGpu:
     def account(self, tensors: list[Any]) -> None:
         """The allocator after an operator: what its outputs add, under the cap."""
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            if isinstance(t, torch.Tensor) and _real_device(t).type == "cpu":
                 try:
                     self._live[t.untyped_storage()] = None
                 except (RuntimeError, NotImplementedError):
@@ -186,17 +188,61 @@ def _is_cuda(value: Any) -> bool:
     return isinstance(value, str) and value.startswith("cuda")
 
 
+# Tensors that ``.to(cuda)`` or ``.cuda()`` made: they report the CUDA device, as a real move's copy does.
+_MOVED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_DEVICE_ATTRIBUTES = {torch._C.TensorBase.__dict__["device"]: torch.device("cuda", 0),
+                      torch._C.TensorBase.__dict__["is_cuda"]: True}
+
+
+def _moves_to(func, args, kwargs) -> str | None:
+    """Where ``tensor.to(...)``, ``.cuda()`` or ``.cpu()`` moves a tensor: "cuda", "cpu", or None (not a move)."""
+    if func is torch.Tensor.cuda:
+        return "cuda"
+    if func is torch.Tensor.cpu:
+        return "cpu"
+    if func is not torch.Tensor.to:
+        return None
+    for value in (*args[1:], kwargs.get("device")):
+        if _is_cuda(value):
+            return "cuda"
+        if isinstance(value, (str, torch.device)) and torch.device(value).type == "cpu":
+            return "cpu"
+    return None
+
+
+def _real_device(tensor: torch.Tensor) -> torch.device:
+    with torch._C.DisableTorchFunction():
+        return tensor.device
+
+
 class _OnDevice(TorchFunctionMode):
-    """``device="cuda"`` becomes the CPU; ``.to(cuda)`` and ``.cuda()`` stay where the tensor is."""
+    """``device="cuda"`` becomes the CPU. ``.to(cuda)`` and ``.cuda()`` give a copy that reports the CUDA device
+    (``.device``, ``.is_cuda``), and moving it back to the CPU gives a copy that does not; a tensor already
+    where it is asked to go is returned as it is, as torch does. Only moved tensors report CUDA: the worker's
+    other tensors, and FSDP's, are the CPU's, whose streams and collectives gloo serves."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        attribute = getattr(func, "__self__", None) if getattr(func, "__name__", "") == "__get__" else None
+        if attribute is not None and attribute in _DEVICE_ATTRIBUTES and args and args[0] in _MOVED:
+            return _DEVICE_ATTRIBUTES[attribute]
+        target = _moves_to(func, args, kwargs)
+        if target is not None and isinstance(args[0], torch.Tensor):
+            source = args[0]
+            if (source in _MOVED) == (target == "cuda"):
+                rest = tuple(a for a in args[1:] if not isinstance(a, (str, torch.device)))
+                kwargs.pop("device", None)
+                return func(source, *rest, **kwargs) if func is torch.Tensor.to else source
+            rest = tuple(a for a in args[1:] if not isinstance(a, (str, torch.device)))
+            kwargs.pop("device", None)
+            kwargs.pop("non_blocking", None)
+            moved = torch.Tensor.to(source, *rest, **kwargs) if func is torch.Tensor.to else source
+            moved = moved.clone() if moved is source else moved
+            if target == "cuda":
+                _MOVED[moved] = None
+            return moved
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to:
-            args = tuple("cpu" if _is_cuda(a) else a for a in args)
         return func(*args, **kwargs)
 
 

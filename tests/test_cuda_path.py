@@ -257,8 +257,28 @@ def test_fsdp2_with_cpu_offload_keeps_the_buffers_on_the_gpu(monkeypatch):
         on_gpu = model.inv_freq.to(CUDA)  # what fully_shard does to a module's buffers
         model.inv_freq = on_gpu
         materializer.whole()
-    assert not model.weight.is_meta
-    assert model.inv_freq is on_gpu and torch.equal(model.inv_freq, inv_freq)
+        assert on_gpu.device.type == "cuda" and on_gpu.is_cuda  # the scripted GPU's move, as CUDA reports it
+        assert not model.weight.is_meta
+        # On the GPU still, with its values: a buffer moved back to the host would report the CPU here.
+        assert model.inv_freq.device == torch.device("cuda", 0) and torch.equal(model.inv_freq.cpu(), inv_freq)
+        assert model.inv_freq.cpu().device.type == "cpu"
+
+
+def test_the_scripted_gpu_moves_tensors_as_cuda_does():
+    """Item 3: ``.to(cuda)`` and ``.cuda()`` give a copy that reports the CUDA device; a tensor already there
+    is returned as it is; moving it back gives a CPU copy; a dtype given beside the device still applies."""
+    gpu = FakeGpu()
+    with installed(FakeCuda([gpu])), gpu.active():
+        host = torch.ones(3)
+        moved = host.to(CUDA)
+        assert moved is not host and moved.device.type == "cuda" and moved.is_cuda and host.device.type == "cpu"
+        assert moved.to(CUDA) is moved and moved.cuda() is moved
+        assert host.cuda().is_cuda and host.to(device="cuda").is_cuda
+        half = host.to(CUDA, torch.bfloat16)
+        assert half.is_cuda and half.dtype == torch.bfloat16
+        back = moved.to("cpu")
+        assert back is not moved and back.device.type == "cpu" and torch.equal(back, host)
+        assert host.to("cpu") is host
 
 
 def test_the_host_probe_waits_for_the_gpu_a_trial_holds(monkeypatch, tmp_path):
