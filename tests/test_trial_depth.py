@@ -255,11 +255,43 @@ def test_a_resumed_study_keeps_its_depth_and_refuses_another_in_one_line(tmp_pat
 
 
 def test_a_model_whose_blocks_alternate_repeats_by_its_pattern():
-    from autotune.worker.probe import block_period
+    """Issue 42, item 4: the period follows the model's layer pattern, attention and experts alike, for the
+    estimator's copies as for the study's."""
+    from types import SimpleNamespace
 
-    assert block_period(None) == 1 and block_period(["full_attention"] * 8) == 1
-    assert block_period(["sliding_attention", "full_attention"] * 4) == 2  # Gemma 2's alternation
-    assert block_period((["sliding_attention"] * 5 + ["full_attention"]) * 4) == 6  # Gemma 3's five to one
+    from autotune.config import FsdpConfig
+    from autotune.worker.block_pattern import BlockPattern, block_pattern
+    from autotune.worker.depth_extrapolation import extrapolation_points
+
+    def config(n, **fields):
+        return SimpleNamespace(num_hidden_layers=n, **fields)
+
+    assert block_pattern(config(8)) == block_pattern(config(8, layer_types=["full_attention"] * 8)) == BlockPattern()
+    assert block_pattern(config(8, layer_types=["sliding_attention", "full_attention"] * 4)).period == 2  # Gemma 2
+    assert block_pattern(config(24, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4)).period == 6
+    assert block_pattern(config(8, num_local_experts=8)) == BlockPattern()  # Mixtral: every block routes
+    # Qwen2-MoE with decoder_sparse_step 2: dense and MoE blocks alternate.
+    assert block_pattern(config(24, num_experts=60, decoder_sparse_step=2)) == BlockPattern(0, 2)
+    assert block_pattern(config(24, num_experts=60, decoder_sparse_step=1, mlp_only_layers=[0, 1])) == BlockPattern(2, 1)
+    # DeepSeek V3: three dense blocks, then MoE ones; V2-Lite style every other block past the first.
+    assert block_pattern(config(61, n_routed_experts=256, first_k_dense_replace=3, moe_layer_freq=1)) == BlockPattern(3, 1)
+    assert block_pattern(config(27, n_routed_experts=64, first_k_dense_replace=1, moe_layer_freq=2)) == BlockPattern(1, 2)
+    # Llama 4: MoE every other block, no rotary embedding every fourth.
+    assert block_pattern(config(48, num_local_experts=128, moe_layers=list(range(1, 48, 2)),
+                                no_rope_layers=[0 if (i + 1) % 4 == 0 else 1 for i in range(48)])) == BlockPattern(0, 4)
+    # The estimator's copies: a whole period apart, past the prefix, in the model's phase.
+    plain, pairs = FsdpConfig(), FsdpConfig(activation_checkpointing="every_other_layer")
+    assert extrapolation_points(plain, 32) == (3, 4) and extrapolation_points(pairs, 32) == (4, 6)
+    assert extrapolation_points(pairs, 33) == (5, 7)
+    alternating = BlockPattern(0, 2)
+    assert extrapolation_points(plain, 24, alternating) == (4, 6)
+    assert extrapolation_points(pairs, 24, BlockPattern(0, 4)) == (8, 12)
+    assert extrapolation_points(plain, 61, BlockPattern(3, 1)) == (6, 7)
+    assert extrapolation_points(plain, 27, BlockPattern(1, 2)) == (5, 7)  # the model's last block is an MoE one
+    # The study's copies: whole repeats past the prefix.
+    assert plan_depths(TrialDepth.parse("auto"), 61, 1, True, True, block_prefix=3).depths == (4, 8)
+    assert plan_depths(TrialDepth.parse("auto"), 61, 2, True, True, block_prefix=3).depths == (5, 9)
+    assert plan_depths(TrialDepth.parse("auto"), 80, 2, True, True, block_prefix=6).depths == (8, 10)
 
 
 def test_a_shallow_trial_extends_its_copies_peaks_checks_them_and_alternates_their_order(tmp_path, monkeypatch):

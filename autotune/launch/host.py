@@ -26,8 +26,10 @@ class ModelInfo:
     max_positions: int | None = None
     # The width of its residual stream (for the probe's saturation curve); None when unknown.
     hidden_size: int | None = None
-    # After how many blocks its blocks repeat (alternating attention: 2); 1 when alike.
+    # After how many blocks its blocks repeat (alternating attention, dense and MoE blocks: 2); 1 when alike.
     block_period: int = 1
+    # How many blocks stand apart before the repeats start (DeepSeek's first dense blocks).
+    block_prefix: int = 0
     # The parameters of one block; None when unknown.
     block_params: int | None = None
     # Size-based wrapping: by threshold, the parameters of the units inside one block (the step-time model's).
@@ -164,6 +166,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
         max_positions=model_data.get("max_positions"),
         hidden_size=model_data.get("hidden_size"),
         block_period=model_data.get("block_period", 1),
+        block_prefix=model_data.get("block_prefix", 0),
         block_params=model_data.get("block_params"),
         size_units={int(k): tuple(v) for k, v in (model_data.get("size_units") or {}).items()},
     )

@@ -234,7 +234,8 @@ def plan_for(settings: RunSettings, model: ModelInfo) -> DepthPlan:
     """The depth plan ``settings`` ask of ``model`` (a UsageError for depths it cannot take)."""
     return plan_depths(settings.study.trial_depth or DEFAULT_TRIAL_DEPTH, model.num_layers, model.block_period,
                        _builds_at_any_depth(settings.study.model), settings.search.use_estimate,
-                       tuple(settings.study.space.choices.get("activation_checkpointing", ())), model.block_params)
+                       tuple(settings.study.space.choices.get("activation_checkpointing", ())), model.block_params,
+                       model.block_prefix)
 
 
 def _builds_at_any_depth(model: str) -> bool:

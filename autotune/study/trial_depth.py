@@ -101,16 +101,17 @@ def whole_because(cfg: FsdpConfig, block_params: int | None) -> str | None:
 
 
 def plan_depths(setting: TrialDepth, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
-                space_checkpointing: tuple[str, ...] = (), block_params: int | None = None) -> DepthPlan:
-    """The study's plan, from the setting and the model (``num_layers`` identical
-    blocks repeating every ``block_period``; ``buildable``: a copy of another depth
-    can be built, as for a transformers config) and whether memory is estimated."""
-    return replace(_plan_depths(setting, num_layers, block_period, buildable, estimated, space_checkpointing),
-                   block_params=block_params)
+                space_checkpointing: tuple[str, ...] = (), block_params: int | None = None,
+                block_prefix: int = 0) -> DepthPlan:
+    """The study's plan, from the setting and the model (``num_layers`` blocks repeating every ``block_period``
+    after the first ``block_prefix``; ``buildable``: a copy of another depth can be built, as for a transformers
+    config) and whether memory is estimated."""
+    return replace(_plan_depths(setting, num_layers, block_period, buildable, estimated, space_checkpointing,
+                                block_prefix), block_params=block_params)
 
 
 def _plan_depths(setting: TrialDepth, num_layers: int | None, block_period: int, buildable: bool, estimated: bool,
-                 space_checkpointing: tuple[str, ...]) -> DepthPlan:
+                 space_checkpointing: tuple[str, ...], block_prefix: int = 0) -> DepthPlan:
     if setting.mode == DepthMode.FULL:
         return DepthPlan(setting, num_layers)
     why_not = _why_full_depth(num_layers, buildable, estimated)
@@ -125,9 +126,11 @@ def _plan_depths(setting: TrialDepth, num_layers: int | None, block_period: int,
     if why_not is not None or num_layers is None:
         return DepthPlan(setting, num_layers, reason=why_not or "")
     # Checkpointing every other block repeats in pairs; a model's own pattern (alternating attention) in its period.
+    # Past the blocks that stand apart (DeepSeek's first dense ones), whole repeats: the line's slope is then a
+    # repeat's, not one block kind's.
     unit = _lcm(block_period, 2 if "every_other_layer" in space_checkpointing else 1)
-    low = _round_up(DEPTHS[0], unit)
-    depths = (low, max(low + unit, _round_up(DEPTHS[1], unit)))
+    low = block_prefix + _round_up(max(DEPTHS[0] - block_prefix, 1), unit)
+    depths = (low, max(low + unit, block_prefix + _round_up(DEPTHS[1] - block_prefix, unit)))
     if 2 * sum(depths) > num_layers:
         return DepthPlan(setting, num_layers, reason=f"{num_layers} blocks: copies of {depths[0]} and {depths[1]} "
                                                      "would not make a trial twice cheaper")

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 from autotune.config import FsdpConfig
+from autotune.worker.block_pattern import UNIFORM, BlockPattern
 from autotune.worker.models import is_mixture_of_experts
 
 # Models with at least this many blocks are estimated from 3- and 4-block copies;
@@ -14,25 +17,26 @@ from autotune.worker.models import is_mixture_of_experts
 EXTRAPOLATE_FROM_BLOCKS = 8
 
 
-def block_period(cfg: FsdpConfig) -> int:
-    """Blocks after which the step repeats itself: checkpointing every other
-    block repeats in pairs, everything else block by block (a size-based unit
-    never spans two blocks: their container is never a unit)."""
-    return 2 if cfg.activation_checkpointing == "every_other_layer" else 1
+def block_period(cfg: FsdpConfig, pattern: BlockPattern = UNIFORM) -> int:
+    """Blocks after which the step repeats itself: the model's own pattern of blocks (alternating attention,
+    dense and MoE blocks), in pairs where every other block is checkpointed (a size-based unit never spans two
+    blocks: their container is never a unit)."""
+    return math.lcm(pattern.period, 2 if cfg.activation_checkpointing == "every_other_layer" else 1)
 
 
-def extrapolation_points(cfg: FsdpConfig, blocks: int) -> tuple[int, int]:
+def extrapolation_points(cfg: FsdpConfig, blocks: int, pattern: BlockPattern = UNIFORM) -> tuple[int, int]:
     """The two depths to run for a model of ``blocks`` blocks: one period
-    apart, each with room for the first and last few blocks of
-    :class:`~autotune.worker.breakdown_tracker.BreakdownTracker` (one more than the period), and for pairs of
-    the model's parity, so that its last block is checkpointed as theirs is.
+    apart, past the pattern's prefix, each with room for the first and last few blocks of
+    :class:`~autotune.worker.breakdown_tracker.BreakdownTracker` (one more than the period), and in the model's
+    phase of the period, so that its last block is of the kind theirs is (checkpointed, an MoE block).
     Not 2 blocks: there the first block's and the last block's special cases
     (the last one is not resharded after forward, backward starts on it)
     overlap at the peak, and 2 -> 3 grew 19% more than any later block did
     (HSDP with selective checkpointing on llama-tiny)."""
-    if block_period(cfg) == 2:
-        return (4, 6) if blocks % 2 == 0 else (5, 7)
-    return 3, 4
+    period = block_period(cfg, pattern)
+    low = pattern.prefix + max(3, 2 * period)
+    low += (blocks - low) % period
+    return low, low + period
 
 
 def not_extrapolated(model: str, cfg: FsdpConfig) -> str | None:

@@ -51,7 +51,7 @@ from autotune.worker.fake_mode_support import (
     real_post_forward_meshes,
 )
 from autotune.worker.fsdp import build_mesh, make_grad_scaler, parallelize
-from autotune.worker.models import block_count, build_model
+from autotune.worker.models import block_count, build_model, model_block_pattern
 from autotune.worker.step_moments import StepMoments
 from autotune.worker.train import make_optimizer
 from autotune.worker.work_counter import WorkCounter, optimizer_numel
@@ -89,7 +89,7 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
         # The step measured is a steady one: its optimizer state exists before it starts.
         create_optimizer_state(optimizer)
         moments = StepMoments(wrapped, optimizer, built.layers).watch(micro_batches)
-        tracker = BreakdownTracker(moments, fake_mode, block_period(cfg), offloaded)
+        tracker = BreakdownTracker(moments, fake_mode, block_period(cfg, model_block_pattern(model)), offloaded)
         counter = WorkCounter(moments, cfg.micro_batch_size, seq_len, nnodes, shapes) if count_work else None
         with moments.saved_tensors_hooks(), tracker, counter or contextlib.nullcontext():
             fake_train_step(wrapped, optimizer, tokens, scaler, micro_batches)
@@ -180,7 +180,8 @@ def estimate_config(model: str, world_size: int, nnodes: int, seq_len: int, cfg:
       in the compute dtype).
     """
     blocks = None if exact else block_count(model)
-    low_n, high_n = extrapolation_points(cfg, blocks or 0)
+    pattern = model_block_pattern(model)
+    low_n, high_n = extrapolation_points(cfg, blocks or 0, pattern)
     whole = not_extrapolated(model, cfg)
     # Only where the two copies together are shallower than the model itself.
     if blocks is None or blocks < max(EXTRAPOLATE_FROM_BLOCKS, low_n + high_n + 1) or whole:

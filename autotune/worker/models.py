@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from autotune.worker.block_pattern import EXPERT_COUNT_NAMES, UNIFORM, BlockPattern, block_pattern
 from autotune.config import LoraSpec
 from autotune.presets import PRESETS, ModelSpec, parse_model_spec
 from autotune.worker.fsdp import find_layers
@@ -75,8 +76,13 @@ def block_count(model: str) -> int | None:
     return int(count) if isinstance(count, int) else None
 
 
-# Where configs count their experts (Mixtral, Qwen2-MoE and Qwen3-MoE, DeepSeek).
-EXPERT_COUNT_NAMES = ("num_local_experts", "num_experts", "n_routed_experts")
+def model_block_pattern(model: str) -> BlockPattern:
+    """How a preset or config.json model's blocks repeat (:mod:`autotune.worker.block_pattern`); a
+    ``module:function`` factory's are taken as alike."""
+    spec = parse_model_spec(model)
+    if spec.kind == "factory":
+        return UNIFORM
+    return block_pattern(_transformers_config(spec))
 
 
 def is_mixture_of_experts(model: str) -> bool:

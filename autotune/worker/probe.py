@@ -188,15 +188,6 @@ def hidden_size(module) -> int | None:
     return None
 
 
-def block_period(layer_types: list | None) -> int:
-    """After how many blocks a model's blocks repeat: 1 when they are alike, else
-    the period of its ``layer_types`` (Gemma's alternating sliding and full attention)."""
-    if not isinstance(layer_types, (list, tuple)) or not layer_types:
-        return 1
-    n = len(layer_types)
-    return next(p for p in range(1, n + 1) if all(layer_types[i] == layer_types[i % p] for i in range(n)))
-
-
 def size_units(module, block, thresholds: tuple[int, ...]) -> dict[str, list[int]]:
     """For each size-based threshold, the parameters of the units inside one block, in order: what the step-time
     model shards a block into (autotune.worker.fsdp.size_based_units)."""
@@ -211,12 +202,16 @@ def size_units(module, block, thresholds: tuple[int, ...]) -> dict[str, list[int
 
 
 def describe_model(model: str, wrap_class: tuple[str, ...], min_num_params: tuple[int, ...] = ()) -> dict:
+    from autotune.worker.block_pattern import UNIFORM, block_pattern
     from autotune.worker.models import build_model
 
     built = build_model(model, wrap_class)
+    config = getattr(built.module, "config", None)
+    pattern = block_pattern(config) if config is not None else UNIFORM
     return {
         "size_units": size_units(built.module, built.layers[0], min_num_params) if len(built.layers) else {},
-        "block_period": block_period(getattr(getattr(built.module, "config", None), "layer_types", None)),
+        "block_period": pattern.period,
+        "block_prefix": pattern.prefix,
         "hidden_size": hidden_size(built.module),
         "num_params": sum(p.numel() for p in built.module.parameters()),
         "layer_classes": list(built.layer_classes),
