@@ -34,13 +34,13 @@ def measure_links(nproc: int, device_type: str, timeout_s: float = 60.0) -> dict
     already made here) or do not answer in ``timeout_s``."""
     if nproc < 2:
         return None
-    import torch
-
-    if device_type == "cuda" and (torch.cuda.is_initialized() or torch.cuda.device_count() < nproc):
-        return None
     # More ranks than cores measure the scheduler, not the links, and forking 512 of them took 107 s before the
     # driver refused --nproc 512 on a 2-core host.
     if device_type == "cpu" and nproc > len(os.sched_getaffinity(0)):
+        return None
+    import torch
+
+    if device_type == "cuda" and (torch.cuda.is_initialized() or torch.cuda.device_count() < nproc):
         return None
     start = time.perf_counter()
     store = os.path.join(tempfile.mkdtemp(prefix="autotune-links-"), "store")
