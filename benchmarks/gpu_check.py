@@ -294,15 +294,17 @@ def step_study(ctx: Context) -> list[str]:
     over = [t.number for t in launched if (t.user_attrs.get(Attr.PEAK_MEMORY_BYTES) or 0) > budget
             or t.user_attrs.get(Attr.STATUS) == "oom"]
     plan = study.user_attrs.get(StudyAttr.TRIAL_DEPTH, {})
-    shallow = [t for t in launched if t.user_attrs.get(Attr.DEPTH_POINTS)]
+    search = [t for t in launched if Attr.CONFIRMATION_ROUND not in t.user_attrs]
+    shallow = [t for t in search if t.user_attrs.get(Attr.DEPTH_POINTS)]
     lines = [f"`autotune run --mem-budget {BUDGET} --model <mistral-28 config.json> --nproc 1 --seq-len {SEQ_LEN} "
              f"--trials {trials} --confirm {rounds} --timing-budget 3`: "
              + (f"STOPPED: {stopped}" if stopped else f"exit 0 in {wall:.0f}s") + f", {len(launched)} launches",
              f"trial depth: {plan.get('depths') or 'full'} ({plan.get('reason', '')}); the line's check: "
              f"{plan.get('check')}",
-             f"shallow launches {len(shallow)}, their median wall {_median_wall(shallow)}; full-depth search "
-             f"launches {len(launched) - len(shallow)}, their median wall "
-             f"{_median_wall([t for t in launched if t not in shallow])}",
+             f"search launches: {len(shallow)} shallow, median wall {_median_wall(shallow)}; "
+             f"{len(search) - len(shallow)} at full depth, median wall "
+             f"{_median_wall([t for t in search if t not in shallow])}; {len(launched) - len(search)} "
+             "confirmation trials",
              f"launches over the budget: {len(over)} {over} (target 0)"]
     errors = [t.user_attrs[Attr.TENSOR_PEAK_BYTES] / t.user_attrs[Attr.PREDICTED_PEAK_BYTES] - 1 for t in launched
               if t.user_attrs.get(Attr.TENSOR_PEAK_BYTES) and t.user_attrs.get(Attr.PREDICTED_PEAK_BYTES)]
