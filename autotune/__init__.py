@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 from autotune.config import ConfigError, FsdpConfig, TrialRequest, TrialResult  # noqa: E402
 from autotune.errors import UsageError  # noqa: E402
 from autotune.units import format_bytes, parse_memory  # noqa: E402
+from autotune.workload import Workload  # noqa: E402
 
 __all__ = [
     "ConfigError",
@@ -23,6 +24,7 @@ __all__ = [
     "TrialRequest",
     "TrialResult",
     "UsageError",
+    "Workload",
     "format_bytes",
     "parse_memory",
     "__version__",

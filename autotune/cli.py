@@ -124,10 +124,11 @@ def _add_run(commands: Any) -> None:
     run.add_argument("--mem-budget", required=True, metavar="SIZE",
                      help="per-rank memory budget, with a unit: 20GB = 20*10^9 bytes, 20GiB = 20*2^30; also MB, MiB, "
                           "TB, TiB (required)")
-    run.add_argument("--model", default="llama-tiny",
+    run.add_argument("--model", default=None,
                      help="a preset (llama-tiny, llama-1b, llama-7b, llama-8b, llama-70b), a Hugging Face model id "
                           "(owner/name: its config.json only, from the cache or the hub), a transformers config.json "
-                          "path, or module:function returning a torch module (default: llama-tiny, the CPU default)")
+                          "path, or module:function returning a torch module (default: llama-tiny, the CPU default; "
+                          "--workload instead for your own model and step)")
     run.add_argument("--nproc", type=_positive_int, default=None,
                      help="ranks per node (default: the number of visible GPUs, or 2 on a host with none)")
     run.add_argument("--nnodes", type=_positive_int, default=StudySettings.nnodes,
@@ -172,7 +173,13 @@ def _add_run(commands: Any) -> None:
 
 
 def _add_workload_flags(parser: Any) -> None:
-    """What is trained: every parameter (the default), or LoRA adapters on frozen weights."""
+    """What is trained: a workload of the user's own, every parameter (the default), or LoRA adapters on frozen
+    weights."""
+    parser.add_argument("--workload", default=None, metavar="FILE.py:FUNCTION",
+                        help="your own model and training step: a function returning autotune.Workload (its model "
+                             "builder, repeated block classes, batch, loss, optimizer, clipping and throughput unit), "
+                             "as path/to/file.py:function or package.module:function; in place of --model and "
+                             "--seq-len (default: none, the causal LM of --model on random tokens)")
     parser.add_argument("--lora", type=_positive_int, default=None, metavar="RANK",
                         help="tune LoRA fine-tuning instead of full training: adapters of this rank (8 and 16 are "
                              "usual) on frozen base weights, through peft (pip install 'autotune[lora]'); a LoRA study "
@@ -236,8 +243,9 @@ def _add_estimate(commands: Any) -> None:
                     "--nnodes values (8,16) compare world sizes in one command.")
     estimate.add_argument("--mem-budget", required=True, metavar="SIZE", help="per-rank memory budget, e.g. 80GB or "
                                                                               "70GiB (required)")
-    estimate.add_argument("--model", default="llama-tiny", help="preset, Hugging Face model id, config.json path or "
-                                                                "module:function (default: llama-tiny)")
+    estimate.add_argument("--model", default=None, help="preset, Hugging Face model id, config.json path or "
+                                                        "module:function (default: llama-tiny; --workload instead for "
+                                                        "your own model and step)")
     estimate.add_argument("--nproc", type=_positive_ints, default=(2,),
                           help="ranks per node, as in autotune run: the world size is --nproc x --nnodes; several, "
                                "comma-separated, to compare (default: 2)")

@@ -130,12 +130,32 @@ class RunFlags:
     space: Any  # autotune.study.space.SearchSpace
 
 
+def resolve_model(args: argparse.Namespace) -> None:
+    """``args.model`` as the worker takes it: ``--workload REF`` as ``workload:REF``, else ``--model`` or its
+    default; --workload refuses the flags it takes the place of."""
+    from autotune.presets import WORKLOAD_PREFIX, workload_reference
+
+    if args.workload is None:
+        args.model = args.model or "llama-tiny"
+        return
+    if args.model is not None:
+        raise UsageError(f"--workload {args.workload} and --model {args.model} both name what is trained; give one")
+    if args.seq_len is not None:
+        raise UsageError(f"--seq-len {args.seq_len} applies to --model's language models; a workload says its units "
+                         "per sample (Workload.units_per_sample): leave --seq-len out")
+    if args.wrap_class:
+        raise UsageError(f"--wrap-class {args.wrap_class[0]}: a workload names its repeated blocks "
+                         "(Workload.blocks); leave --wrap-class out")
+    args.model = WORKLOAD_PREFIX + workload_reference(args.workload)
+
+
 def check_run_flags(args: argparse.Namespace) -> RunFlags:
     from autotune.presets import parse_model_spec
     from autotune.study.space import load_space
     from autotune.study.storage import check_storage_url
     from autotune.units import parse_memory
 
+    resolve_model(args)
     flags = RunFlags(parse_memory(args.mem_budget), parse_model_spec(args.model), lora_spec(args),
                      load_space(args.space))
     check_storage_url(args.storage, create_dirs=args.storage == DEFAULT_STORAGE)
@@ -148,7 +168,6 @@ def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -
     ready), checked once against the study it would resume: (settings, host, model)."""
     from autotune.config import timing_defaults
     from autotune.launch.host import probe
-    from autotune.presets import choose_seq_len
     from autotune.study import RunSettings, default_study_name
     from autotune.study.depth_setting import TrialDepth
     from autotune.study.runner import plan_for
@@ -165,7 +184,7 @@ def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -
         # Simulated nodes share this host's devices.
         asked = f"--nproc {nproc} x --nnodes {args.nnodes}" if args.nnodes > 1 else None
         _check_nproc(nproc * args.nnodes, host, asked)
-    seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
+    seq_len, seq_note = seq_len_for(spec, args.seq_len, model)
     if seq_note and not args.quiet:
         print(f"autotune run: {seq_note}", file=sys.stderr)
     slots = parse_slots(args.devices, host.device_count)
@@ -182,7 +201,8 @@ def run_settings(args: argparse.Namespace, flags: RunFlags, forks: Any = None) -
             name=args.study_name or default_study_name(spec.label, nproc, seq_len, budget_text, args.global_batch_size,
                                                        args.nnodes, lora),
             storage_url=args.storage, nnodes=args.nnodes, global_batch_size=args.global_batch_size, hub_id=spec.hub_id,
-            lora=lora, trial_depth=TrialDepth.parse(args.trial_depth) if args.trial_depth else None),
+            lora=lora, trial_depth=TrialDepth.parse(args.trial_depth) if args.trial_depth else None,
+            unit=model.unit),
         search=SearchSettings(trials=args.trials, sampler=args.sampler, seed=args.seed,
                               use_estimate=not args.no_estimate, confirm=args.confirm),
         measure=MeasureSettings(warmup_steps=args.warmup_steps, timed_steps=args.timed_steps or timed_steps,
@@ -215,6 +235,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         forks.close()
 
 
+def _sample_text(spec: Any, model: Any, seq_len: int) -> str:
+    """What a sample is, for a header line: a language model's seq len, a workload's units."""
+    if spec.kind == "workload":
+        return f"workload {spec.label}, {seq_len} {model.unit} a sample"
+    return f"seq len {seq_len}"
+
+
+def seq_len_for(spec: Any, requested: int | None, model: Any) -> tuple[int, str | None]:
+    """A sample's units: a workload's own (``units_per_sample``), else the language model's sequence length."""
+    from autotune.presets import choose_seq_len
+
+    if spec.kind == "workload":
+        return model.units_per_sample or 1, None
+    return choose_seq_len(spec, requested, model.max_positions)
+
+
 def _model_argument(spec: Any, given: str) -> str:
     """What the worker is given for ``--model``: a config file by its absolute path, else as typed."""
     return spec.value if spec.kind == "config_file" else given
@@ -231,7 +267,8 @@ def _run(args: argparse.Namespace, flags: RunFlags, forks: Any) -> int:
     if not args.quiet:
         print(f"Tuning {model.class_name} ({model.num_params / 1e6:,.1f}M params, block "
               f"{'/'.join(model.layer_classes)}) on {settings.study.nproc} x {host.device_name or 'CPU'} "
-              f"({host.device_type}), seq len {settings.study.seq_len}, budget {settings.study.budget_text} per "
+              f"({host.device_type}), {_sample_text(flags.spec, model, settings.study.seq_len)}, budget "
+              f"{settings.study.budget_text} per "
               f"rank{_workload_text(settings.study.lora)}; study {settings.study.name} in "
               f"{mask_url(settings.study.storage_url)}",
               file=sys.stderr)
@@ -255,6 +292,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autotune.study.space import load_space
     from autotune.units import parse_memory
 
+    resolve_model(args)
     budget = parse_memory(args.mem_budget)
     spec = parse_model_spec(args.model)
     lora = lora_spec(args)
@@ -274,7 +312,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space: Any, forks: Any) -> int:
     from autotune.launch.host import probe
     from autotune.outputs.estimate_table import estimates_json, estimates_table, worlds_json, worlds_table
-    from autotune.presets import choose_seq_len
     from autotune.speed.host_profile import device_profile_for
     from autotune.study.margin import default_margin
     from autotune.units import format_bytes
@@ -292,7 +329,7 @@ def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space
             host, model = probe(model_argument, tuple(args.wrap_class), forks=forks, nproc=max(args.nproc),
                                 min_num_params=thresholds)
     profile = device_profile_for(named, host, args.intra_node_gbps, args.inter_node_gbps)
-    seq_len, seq_note = choose_seq_len(spec, args.seq_len, model.max_positions)
+    seq_len, seq_note = seq_len_for(spec, args.seq_len, model)
     if seq_note:
         print(f"autotune estimate: {seq_note}", file=sys.stderr)
     margin = default_margin(args.device)
@@ -311,12 +348,13 @@ def _estimate(args: argparse.Namespace, spec: Any, budget: int, lora: Any, space
         return 0
     for nproc, nnodes, rows in docs:
         print(f"{model.class_name} ({model.num_params / 1e9:.2f}B params), world size {nproc * nnodes} ({nproc} per "
-              f"node x {nnodes} node(s)), seq len {seq_len}, budget {args.mem_budget} = {format_bytes(budget)} per "
+              f"node x {nnodes} node(s)), {_sample_text(spec, model, seq_len)}, budget {args.mem_budget} = "
+              f"{format_bytes(budget)} per "
               f"rank; margin: {margin.source}; speeds on {profile.describe()}.")
-        print(estimates_table(rows))
+        print(estimates_table(rows, model.unit))
         print()
     if len(docs) > 1:
-        print(worlds_table(docs))
+        print(worlds_table(docs, model.unit))
     return 0
 
 

@@ -89,9 +89,38 @@ PRESET_SEQ_LEN = {"llama-tiny": 256}
 DEFAULT_SEQ_LEN = 2048
 
 
+# How a study's model argument names a workload (autotune.workload): --workload REF becomes "workload:REF".
+WORKLOAD_PREFIX = "workload:"
+
+
+def model_flag(model: str) -> str:
+    """How the user named ``model`` on the command line, for an error message: ``--workload REF`` or
+    ``--model VALUE``."""
+    if model.startswith(WORKLOAD_PREFIX):
+        return f"--workload {model[len(WORKLOAD_PREFIX):]}"
+    return f"--model {model}"
+
+
+def workload_reference(value: str) -> str:
+    """A ``--workload`` value checked for its shape without importing it (the worker does that): a file by its
+    absolute path, so that a trial run from another folder finds it."""
+    module, _, function = value.rpartition(":")
+    if not module or not function.isidentifier():
+        raise UsageError(f"--workload {value}: write it path/to/file.py:function or package.module:function")
+    if module.endswith(".py") or "/" in module:
+        path = Path(module)
+        if not path.is_file():
+            raise UsageError(f"--workload {value}: no such file {module}; give the path to the Python file that "
+                             "defines the function")
+        return f"{path.resolve()}:{function}"
+    if not all(part.isidentifier() for part in module.split(".")):
+        raise UsageError(f"--workload {value}: write it path/to/file.py:function or package.module:function")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """A ``--model`` value, classified: ``preset``, ``config_file`` or ``factory``.
+    """A ``--model`` value, classified: ``preset``, ``config_file``, ``factory`` or ``workload``.
 
     A Hugging Face model id is a ``config_file``: its config.json in the local cache, with ``hub_id`` the id."""
 
@@ -109,6 +138,9 @@ class ModelSpec:
             return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
         if self.kind == "factory":
             return self.value.rsplit(":", 1)[1]
+        if self.kind == "workload":
+            module = self.value.rpartition(":")[0]
+            return Path(module).stem if module.endswith(".py") else module.rsplit(".", 1)[-1]
         return self.value
 
 
@@ -120,6 +152,8 @@ def parse_model_spec(value: str) -> ModelSpec:
     """
     if not value:
         raise UsageError("--model is empty; give a preset name, a config.json path or module:function")
+    if value.startswith(WORKLOAD_PREFIX):
+        return ModelSpec("workload", value[len(WORKLOAD_PREFIX):])
     if value in PRESETS:
         return ModelSpec("preset", value)
     path = Path(value)

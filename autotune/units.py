@@ -59,3 +59,10 @@ def format_bytes(size: float) -> str:
             return f"{sign}{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def rate_unit(unit: str = "tokens", short: bool = True) -> str:
+    """How throughput in ``unit`` is written: ``tok/s`` (``tokens/s`` in full) for tokens, else ``images/s``."""
+    if unit == "tokens":
+        return "tok/s" if short else "tokens/s"
+    return f"{unit}/s"

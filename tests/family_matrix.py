@@ -28,7 +28,8 @@ import torch.distributed as dist
 from autotune.config import FsdpConfig
 from autotune.worker.fsdp import build_mesh, make_grad_scaler, parallelize
 from autotune.worker.models import build_model
-from autotune.worker.train import make_batch, train_step
+from autotune.worker.step_recipe import recipe_for
+from autotune.worker.train import train_step
 
 warnings.filterwarnings("ignore")
 
@@ -69,8 +70,9 @@ def train_cell(model_name: str, cell: tuple) -> None:
     model = parallelize(built.module, built.layers, cfg.to_dict(), device, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters() if p.numel()]
-    tokens = make_batch(built.vocab_size, 2, 32, device, seed=dist.get_rank())
-    loss = train_step(model, optimizer, tokens, make_grad_scaler(precision, device))
+    recipe = recipe_for(model_name, built.vocab_size, 32)
+    tokens = recipe.batch(2, device, seed=dist.get_rank())
+    loss = train_step(model, optimizer, recipe, tokens, make_grad_scaler(precision, device))
     if not torch.isfinite(loss).item():
         raise RuntimeError(f"the loss is not finite: {loss.item()}")
     after = [p.detach() for p in model.parameters() if p.numel()]

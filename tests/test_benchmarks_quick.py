@@ -121,3 +121,12 @@ def test_tuner_speed_quick_times_the_first_launch_and_both_estimates(tmp_path):
     report = out.read_text()
     assert "| 1 |" in report and "first launch within 15 s" in report
     assert "7b estimate within 15 s" in report and "70b estimate within 20 s" in report
+
+
+def test_workloads_benchmark_quick(tmp_path):
+    out = tmp_path / "workloads.md"
+    bench("workloads.py", "--out", str(out), cwd=tmp_path)
+    report = out.read_text()
+    assert "| vit_images.py | 90MB |" in report and "every launch's measured tensor peak within 5%" in report
+    for variant in ("adamw_default", "adamw_foreach", "adamw_fused", "adamw_foreach_clipped", "adamw_fused_clipped"):
+        assert f"| {variant} | " in report and f"| {variant} | failed" not in report

@@ -53,6 +53,7 @@ def trial(gpu: FakeGpu, monkeypatch, req: TrialRequest, hidden: int = 32, vocab:
     from autotune.worker.__main__ import cap_device
     from autotune.worker.fsdp import build_mesh, parallelize
     from autotune.worker.result import build_result
+    from autotune.worker.step_recipe import StepRecipe, language_model_loss, token_batch
     from autotune.worker.train import measure
 
     with one_rank_group():
@@ -63,7 +64,8 @@ def trial(gpu: FakeGpu, monkeypatch, req: TrialRequest, hidden: int = 32, vocab:
             torch.manual_seed(0)
             built = _TinyLM(vocab_size=vocab, hidden=hidden)
             model = parallelize(built, list(built.blocks), req.fsdp.to_dict(), torch.device("cpu"), mesh)
-            measurement = measure(model, req, vocab, RANK)
+            recipe = StepRecipe(token_batch(vocab, req.seq_len), language_model_loss)
+            measurement = measure(model, req, recipe, RANK)
             return build_result(req, RANK, measurement, sum(p.numel() for p in model.parameters()),
                                 measurement.phases)
 

@@ -301,7 +301,8 @@ from fsdp_config import CONFIG, apply_fsdp, grad_scaler
 from transformers import LlamaConfig, LlamaForCausalLM
 from autotune.presets import PRESETS
 from autotune.worker.measure import LiveStorageTracker
-from autotune.worker.train import make_batch, train_step
+from autotune.worker.step_recipe import StepRecipe, language_model_loss, token_batch
+from autotune.worker.train import train_step
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 preset = dict(PRESETS["llama-tiny"]); preset.pop("model_type")
@@ -313,10 +314,11 @@ model = apply_fsdp(model, device=torch.device("cpu"))
 assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 scaler = grad_scaler(torch.device("cpu"))
-tokens = make_batch(1024, CONFIG["micro_batch_size"], int(sys.argv[2]), torch.device("cpu"), dist.get_rank())
-train_step(model, opt, tokens, scaler)
+recipe = StepRecipe(token_batch(1024, int(sys.argv[2])), language_model_loss)
+tokens = recipe.batch(CONFIG["micro_batch_size"], torch.device("cpu"), dist.get_rank())
+train_step(model, opt, recipe, tokens, scaler)
 with LiveStorageTracker() as tracker:
-    train_step(model, opt, tokens, scaler)
+    train_step(model, opt, recipe, tokens, scaler)
 peaks = [None, None]
 dist.all_gather_object(peaks, tracker.peak_bytes)
 if dist.get_rank() == 0:

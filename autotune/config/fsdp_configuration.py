@@ -421,7 +421,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         applies=reshards_partially, aliases={"all": None}, minimum=2),
     Dimension(
         "micro_batch_size", int, None, LARGER_NEEDS_MORE, _micro_batch_prior, no_host_rule,
-        lambda f, t: f["micro_batch_size"], preferred=(), apply=("train.make_batch",), label=lambda v, f: f"mbs={v}"),
+        lambda f, t: f["micro_batch_size"], preferred=(), apply=("train.measure",), label=lambda v, f: f"mbs={v}"),
 )
 
 

@@ -13,6 +13,7 @@ from autotune.config import FsdpConfig
 from autotune.config.dimensions import Placement, host_reason
 from autotune.errors import UsageError
 from autotune.launch.forkserver import ForkServer, run_forked
+from autotune.presets import model_flag
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,12 @@ class ModelInfo:
     block_period: int = 1
     # How many blocks stand apart before the repeats start (DeepSeek's first dense blocks).
     block_prefix: int = 0
+    # What throughput counts and how many a sample holds: tokens and the sequence length for a language model
+    # (units_per_sample None: the study's seq len), a workload's own otherwise.
+    unit: str = "tokens"
+    units_per_sample: int | None = None
+    # Whether a copy of another depth can be built (a workload whose build_model honours num_blocks).
+    builds_at_any_depth: bool = True
     # The parameters of one block; None when unknown.
     block_params: int | None = None
     # Size-based wrapping: by threshold, the parameters of the units inside one block (the step-time model's).
@@ -145,7 +152,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
                                    text=True, timeout=timeout_s)
             done = fresh.returncode, fresh.stdout + fresh.stderr
     except (subprocess.TimeoutExpired, TimeoutError):
-        raise UsageError(f"--model {model}: building it on the meta device took over {timeout_s:.0f}s") from None
+        raise UsageError(f"{model_flag(model)}: building it on the meta device took over {timeout_s:.0f}s") from None
     code, output = done
     answer = next((line for line in reversed(output.strip().splitlines()) if line.startswith("{")), None)
     try:
@@ -154,7 +161,7 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
         tail = " | ".join(output.strip().splitlines()[-3:])
         raise RuntimeError(f"the host probe failed (exit {code}): {tail}") from None
     if "error" in data:
-        raise UsageError(f"--model {model}: {data['error']}")
+        raise UsageError(f"{model_flag(model)}: {data['error'].removeprefix('WorkloadError: ')}")
     model_data = data["model"]
     host = data["host"]
     return HostInfo(**host), ModelInfo(
@@ -167,6 +174,9 @@ def probe(model: str, wrap_class: tuple[str, ...] = (), timeout_s: float = 300, 
         hidden_size=model_data.get("hidden_size"),
         block_period=model_data.get("block_period", 1),
         block_prefix=model_data.get("block_prefix", 0),
+        unit=model_data.get("unit", "tokens"),
+        units_per_sample=model_data.get("units_per_sample"),
+        builds_at_any_depth=model_data.get("builds_at_any_depth", True),
         block_params=model_data.get("block_params"),
         size_units={int(k): tuple(v) for k, v in (model_data.get("size_units") or {}).items()},
     )

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from autotune.config import FsdpConfig
 from autotune.outputs.tables import format_table
 from autotune.study.margin import Margin
-from autotune.units import format_bytes
+from autotune.units import format_bytes, rate_unit
 
 BREAKDOWN = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 
@@ -134,7 +134,7 @@ def _speed_cells(r: dict[str, Any]) -> list[str]:
             f"{100 * r['predicted_mfu']:.1f}%"]
 
 
-def estimates_table(rows: list[dict[str, Any]]) -> str:
+def estimates_table(rows: list[dict[str, Any]], unit: str = "tokens") -> str:
     speeds = any(r.get("predicted_tokens_per_s") is not None for r in rows)
 
     def cells(r: dict[str, Any]) -> list[Any]:
@@ -147,7 +147,7 @@ def estimates_table(rows: list[dict[str, Any]]) -> str:
     def largest_cell(m: int | None) -> Any:
         return "unknown" if m is None else m or "none fits"
 
-    speed_header = ["tok/s", "90% interval", "MFU"] if speeds else []
+    speed_header = [rate_unit(unit), "90% interval", "MFU"] if speeds else []
     right = tuple(range(len(speed_header) + 7)) if speeds else (0, 2, 3, 4, 5, 6)
     table = format_table(["predicted", "fits", *speed_header, "params", "grads", "optim", "activ", "temp",
                           "configuration"], [cells(r) for r in rows], right=tuple(i for i in right if i != 1))
@@ -180,7 +180,7 @@ def worlds_json(docs: list[tuple[int, int, list[dict[str, Any]]]], header: dict[
     return json.dumps({**header, "worlds": worlds, "best_by_world": best}, indent=2)
 
 
-def worlds_table(docs: list[tuple[int, int, list[dict[str, Any]]]]) -> str:
+def worlds_table(docs: list[tuple[int, int, list[dict[str, Any]]]], unit: str = "tokens") -> str:
     """The planning answer: for each world size, the fastest configuration predicted to fit, its tokens/s in all
     and per rank, and its MFU."""
     lines = []
@@ -196,5 +196,6 @@ def worlds_table(docs: list[tuple[int, int, list[dict[str, Any]]]]) -> str:
                       f"{100 * row['predicted_mfu']:.1f}%" if tps else "?", format_bytes(row["predicted_peak_bytes"]),
                       row["label"]])
     return "Fastest configuration predicted to fit, by world size:\n" + format_table(
-        ["world", "nodes x ranks", "tok/s", "tok/s per rank", "MFU", "peak", "configuration"], lines,
+        ["world", "nodes x ranks", rate_unit(unit), f"{rate_unit(unit)} per rank", "MFU", "peak", "configuration"],
+        lines,
         right=(0, 2, 3, 4, 5))

@@ -20,7 +20,7 @@ from autotune.study.verdict import Part, Ratio, Role, Verdict, part_text, read_v
 from autotune.study.runner import RunOutcome
 from autotune.study.stopping import StopReason
 from autotune.study.storage import study_dir
-from autotune.units import format_bytes
+from autotune.units import format_bytes, rate_unit
 
 TOP_N = 5
 
@@ -136,10 +136,11 @@ def print_top(trials: list, settings: RunSettings) -> None:
     ]
     print(f"\nTop configurations of the search, one trial each (budget {settings.study.budget_text} = "
           f"{format_bytes(settings.study.budget_bytes)} per rank):")
-    print(format_table(["#", "tokens/s", "peak", "configuration"], rows, right=(0, 1, 2)))
+    print(format_table(["#", rate_unit(settings.study.unit, short=False), "peak", "configuration"], rows,
+                       right=(0, 1, 2)))
     shallow = next((t for t in top[:TOP_N] if is_extrapolated(t)), None)
     if shallow is not None:
-        print("  ~ extrapolated: tokens/s from shallow copies of "
+        print(f"  ~ extrapolated: {rate_unit(settings.study.unit, short=False)} from shallow copies of "
               f"{' and '.join(str(p['depth']) for p in shallow.user_attrs[Attr.DEPTH_POINTS])} blocks extended to the "
               f"model's {shallow.user_attrs[Attr.FULL_DEPTH]}, peak from the full-depth memory estimate")
 
@@ -151,17 +152,19 @@ def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
              else part_text(part, roles)]
             for e, part, roles in verdict.parts()]
     print(f"\nConfirmation: {verdict.rounds} interleaved round(s) of fresh trials:")
-    print(format_table(["mean tok/s", "95% CI", "peak", "configuration", "verdict"], rows, right=(0, 1, 2)))
-    print_extrapolation_errors(verdict)
+    rate = rate_unit(settings.study.unit, short=False)
+    print(format_table([f"mean {rate_unit(settings.study.unit)}", "95% CI", "peak", "configuration", "verdict"], rows,
+                       right=(0, 1, 2)))
+    print_extrapolation_errors(verdict, settings.study.unit)
     w = verdict.winner
     print(f"\nBest (confirmed): {w.label}")
-    print(f"  {w.mean:,.0f} tokens/s (95% CI {_ci_text(w.ci95)}, {w.rounds} rounds), peak "
+    print(f"  {w.mean:,.0f} {rate} (95% CI {_ci_text(w.ci95)}, {w.rounds} rounds), peak "
           f"{format_bytes(w.peak_memory_bytes or 0)} = "
           f"{100 * (w.peak_memory_bytes or 0) / settings.study.budget_bytes:.1f}% of the {settings.study.budget_text} "
           "budget")
     for tie in verdict.ties:
         cheaper = " and needs less memory" if (tie.peak_memory_bytes or 0) < (w.peak_memory_bytes or 0) else ""
-        print(f"  Tie{cheaper}: {tie.label}: {tie.mean:,.0f} tokens/s, peak {format_bytes(tie.peak_memory_bytes or 0)} "
+        print(f"  Tie{cheaper}: {tie.label}: {tie.mean:,.0f} {rate}, peak {format_bytes(tie.peak_memory_bytes or 0)} "
               f"({_ratio_text(tie.ratio_to_winner)} of the winner: not told apart in {tie.rounds} rounds)")
     for role in (Role.STANDARD_RECIPE, Role.PYTORCH_DEFAULTS):
         ref = verdict.references.get(role)
@@ -175,14 +178,16 @@ def print_verdict(verdict: Verdict, settings: RunSettings) -> None:
               f"{_speedup_text(ref.ratio_to_winner)}, measured in the same rounds")
 
 
-def print_extrapolation_errors(verdict: Verdict) -> None:
+def print_extrapolation_errors(verdict: Verdict, unit: str = "tokens") -> None:
     """After a shallow search: each finalist's extrapolated figure beside its full-depth mean, and the finalists that
     failed at full depth (the next took their place)."""
     rows = [[e.label, f"{e.extrapolated:,.0f}", f"{e.mean:,.0f}", f"{100 * (e.extrapolation_error or 0.0):+.1f}%"]
             for e, _, _ in verdict.parts() if e.extrapolated]
     if rows:
         print("\nThe search's figures were extrapolated from shallow copies; the rounds ran the model at full depth:")
-        print(format_table(["configuration", "extrapolated tok/s", "full depth tok/s", "error"], rows, right=(1, 2, 3)))
+        rate = rate_unit(unit)
+        print(format_table(["configuration", f"extrapolated {rate}", f"full depth {rate}", "error"], rows,
+                           right=(1, 2, 3)))
     for dropped in verdict.dropped:
         print(f"  Dropped: {dropped['label']} failed at full depth ({dropped['cause']}, trial #{dropped['trial']}); "
               "the next finalist took its place")
@@ -194,12 +199,13 @@ def print_unconfirmed(best, trials: list, settings: RunSettings) -> None:
           f"{best.user_attrs.get(Attr.LABEL)}")
     how = (" (extrapolated from shallow copies, never run at full depth; peak from the memory estimate)"
            if is_extrapolated(best) else "")
-    print(f"  {best.value:,.0f} tokens/s, peak {format_bytes(peak)} = {100 * peak / settings.study.budget_bytes:.1f}% "
+    rate = rate_unit(settings.study.unit, short=False)
+    print(f"  {best.value:,.0f} {rate}, peak {format_bytes(peak)} = {100 * peak / settings.study.budget_bytes:.1f}% "
           f"of the {settings.study.budget_text} budget{how}")
     baseline = next((t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get(Attr.BASELINE)), None)
     if baseline is not None and baseline.value:
         print(f"  {best.value / baseline.value:.2f}x the baseline trial #{baseline.number} "
-              f"({baseline.user_attrs.get(Attr.LABEL)}: {baseline.value:,.0f} tokens/s; one trial each, "
+              f"({baseline.user_attrs.get(Attr.LABEL)}: {baseline.value:,.0f} {rate}; one trial each, "
               f"micro batch {baseline.user_attrs[Attr.CONFIG]['micro_batch_size']} against "
               f"{best.user_attrs[Attr.CONFIG]['micro_batch_size']})")
 

@@ -148,7 +148,8 @@ def _tokens_per_s(result: TrialResult) -> float:
     return float(result.tokens_per_s)
 
 
-def record_extrapolated(trial: optuna.Trial, result: TrialResult, budget_bytes: int, margin: Margin) -> str:
+def record_extrapolated(trial: optuna.Trial, result: TrialResult, budget_bytes: int, margin: Margin,
+                        rate: str = "tok/s") -> str:
     """A shallow trial: its line's speed and the fit the full-depth estimate predicted, its copies' peaks against
     that estimate; its line."""
     peak = write_extrapolated(trial, result, budget_bytes)
@@ -163,7 +164,7 @@ def record_extrapolated(trial: optuna.Trial, result: TrialResult, budget_bytes: 
         verdict = line_peak_check(line, predicted, margin, trial.user_attrs.get(Attr.PREDICTION_METHOD))
         trial.set_user_attr(Attr.LINE_PEAK_CHECK, verdict.to_dict())
         memory = f"; {verdict.describe()}"
-    return (f"{result.tokens_per_s:,.0f} tok/s extrapolated from {copies} blocks"
+    return (f"{result.tokens_per_s:,.0f} {rate} extrapolated from {copies} blocks"
             + (f" ({order})" if order else "") + f" to {result.full_depth}{check}, {fit}{memory}, "
             f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
 
@@ -283,18 +284,18 @@ class Objective:
         if result.status == Status.OK:
             self.speed.after_measure(trial, cfg, result)
         if result.status == Status.OK and result.depth_points:
-            self._line(trial, cfg, record_extrapolated(trial, result, budget, self.gate.margin()))
+            self._line(trial, cfg, record_extrapolated(trial, result, budget, self.gate.margin(), self.reporter.rate))
             self.depth.after_trial(result.depth_points, result.line_check, result.phases)
             return _tokens_per_s(result)
         if result.status == Status.OK:
             peak = write_measurement(trial, result, budget)
             fit = "fits" if peak <= budget else f"OVER budget by {format_bytes(peak - budget)}"
-            self._line(trial, cfg, f"{result.tokens_per_s:,.0f} tok/s, peak {format_bytes(peak)} ({fit}), "
-                                   f"{trial.user_attrs[Attr.WALL_S]:.1f}s")
+            self._line(trial, cfg, f"{result.tokens_per_s:,.0f} {self.reporter.rate}, peak {format_bytes(peak)} "
+                                   f"({fit}), {trial.user_attrs[Attr.WALL_S]:.1f}s")
             return _tokens_per_s(result)
         if result.status == Status.ABORTED:
             self._tally(aborted=1)
-            reason = (f"hopeless: {result.tokens_per_s:,.0f} tok/s over the first timed steps, "
+            reason = (f"hopeless: {result.tokens_per_s:,.0f} {self.reporter.rate} over the first timed steps, "
                       f"under 1/{ABORT_FACTOR:g} of the best {best:,.0f}")
             trial.set_user_attr(Attr.ABORTED, True)
             trial.set_user_attr(Attr.TOKENS_PER_S_PARTIAL, result.tokens_per_s)

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from autotune.units import rate_unit
+
 
 class Reporter:
     """Every event goes to ``run.log`` in the study folder; to the terminal unless quiet.
@@ -16,8 +18,9 @@ class Reporter:
     configuration and the best so far; event lines print above it.
     """
 
-    def __init__(self, folder: Path, total: int, quiet: bool = False) -> None:
+    def __init__(self, folder: Path, total: int, quiet: bool = False, unit: str = "tokens") -> None:
         self.folder = folder
+        self.rate = rate_unit(unit)
         self.total = total
         self.quiet = quiet
         self._bar: Any = None
@@ -38,7 +41,7 @@ class Reporter:
 
     def trial(self, number: int, label: str, text: str, launched: int, best: float | None) -> None:
         """One trial's line: ``[launched/N] #number configuration: what happened | best so far``."""
-        best_text = f" | best {best:,.0f} tok/s" if best else ""
+        best_text = f" | best {best:,.0f} {self.rate}" if best else ""
         self.say(f"[{launched:>3}/{self.total}] #{number:<3} {label}: {text}{best_text}")
 
     def start_bar(self) -> None:
@@ -52,7 +55,7 @@ class Reporter:
         if self._bar is not None:
             with self._lock:
                 self._bar.n = min(finished, self.total)
-                self._bar.set_postfix_str(f"{state} | best {best:,.0f} tok/s" if best else state)
+                self._bar.set_postfix_str(f"{state} | best {best:,.0f} {self.rate}" if best else state)
 
     def close_bar(self) -> None:
         if self._bar is not None:

@@ -170,7 +170,7 @@ def _assemble(settings: RunSettings, host: HostInfo, model: ModelInfo, launch: L
     study = load_or_create_study(settings, storage or open_storage(settings.study.storage_url, heartbeat=True), sampler)
     study.set_user_attr(StudyAttr.HOST, host.as_dict())
     folder = study_dir(settings.study.storage_url, settings.study.name)
-    reporter = Reporter(folder, settings.search.trials, settings.execution.quiet)
+    reporter = Reporter(folder, settings.search.trials, settings.execution.quiet, settings.study.unit)
     if settings.search.use_estimate and estimator is None:
         from autotune.launch.estimator_client import EstimatorClient
 
@@ -233,7 +233,8 @@ def depth_plan(study: optuna.Study, settings: RunSettings, model: ModelInfo, say
 def plan_for(settings: RunSettings, model: ModelInfo) -> DepthPlan:
     """The depth plan ``settings`` ask of ``model`` (a UsageError for depths it cannot take)."""
     return plan_depths(settings.study.trial_depth or DEFAULT_TRIAL_DEPTH, model.num_layers, model.block_period,
-                       _builds_at_any_depth(settings.study.model), settings.search.use_estimate,
+                       _builds_at_any_depth(settings.study.model) and model.builds_at_any_depth,
+                       settings.search.use_estimate,
                        tuple(settings.study.space.choices.get("activation_checkpointing", ())), model.block_params,
                        model.block_prefix)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from autotune.config import DEFAULT_TIMED_STEPS, MIN_WARMUP_STEPS, SEARCHES, LoraSpec, accumulation_steps
 from autotune.errors import UsageError
+from autotune.presets import model_flag
 from autotune.launch.locks import timing_lock_path
 from autotune.study.depth_setting import DEFAULT_TRIAL_DEPTH, TrialDepth
 from autotune.study.storage import open_storage, sqlite_path
@@ -54,6 +55,8 @@ class StudySettings:
     lora: LoraSpec | None = None
     # --trial-depth (autotune.study.depth_setting); None: what the study was created with, else the default.
     trial_depth: TrialDepth | None = None
+    # What throughput counts: tokens for a language model, a workload's own unit (images, samples) otherwise.
+    unit: str = "tokens"
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,8 @@ def _shown(key: str, value: Any) -> str:
     """An identity value as a user reads it: the workload in words, the rest as stored."""
     if key == "trial_depth":
         return f"--trial-depth {value}"
+    if key == "model" and isinstance(value, str):
+        return model_flag(value)
     if key != "lora":
         return f"{key}={value!r}"
     if value is None:

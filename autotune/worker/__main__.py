@@ -58,6 +58,7 @@ def measure_at_depth(request: TrialRequest, rank: Any, mesh: Any, phases: dict[s
     trial's result, complete on rank 0 (a collective: every rank calls it)."""
     from autotune.worker.fsdp import parallelize
     from autotune.worker.models import build_model
+    from autotune.worker.step_recipe import recipe_for
     from autotune.worker.train import measure
 
     torch.manual_seed(request.seed)
@@ -74,7 +75,7 @@ def measure_at_depth(request: TrialRequest, rank: Any, mesh: Any, phases: dict[s
         torch.cuda.synchronize(rank.device)
         torch.cuda.reset_peak_memory_stats(rank.device)
 
-    measurement = measure(model, request, built.vocab_size, rank)
+    measurement = measure(model, request, recipe_for(request.model, built.vocab_size, request.seq_len), rank)
     for name, seconds in measurement.phases.items():
         phases[name] = phases.get(name, 0.0) + seconds
 

@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from autotune.config import LoraSpec
 from autotune.worker.models import BuiltModel, apply_lora
-from autotune.worker.train import accumulate, train_step
+from autotune.worker.step_recipe import StepRecipe
+from autotune.worker.train import accumulate, clip_gradients, train_step
 
 
 def fake_process_group(world_size: int) -> None:
@@ -47,8 +48,8 @@ def add_fake_adapters(built: BuiltModel, lora: LoraSpec) -> None:
                 module.register_parameter(name, torch.nn.Parameter(fake, requires_grad=param.requires_grad))
 
 
-def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler,
-                    micro_batches: int = 1) -> None:
+def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, recipe: StepRecipe, batch: Any,
+                    scaler, micro_batches: int = 1) -> None:
     """``train_step`` as a fake tensor can run it.
 
     The grad scaler's ``step`` and ``update`` read whether any gradient was
@@ -58,10 +59,12 @@ def fake_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, to
     optimizer step a finite step takes, and the scale reset to a given value.
     """
     if scaler is None:
-        train_step(model, optimizer, tokens, scaler, micro_batches)
+        train_step(model, optimizer, recipe, batch, scaler, micro_batches)
         return
-    accumulate(model, tokens, micro_batches, scaler)
+    accumulate(model, recipe, batch, micro_batches, scaler)
     scaler.unscale_(optimizer)
+    if recipe.clip_grad_norm is not None:
+        clip_gradients(model, recipe.clip_grad_norm)
     optimizer.step()
     scaler.update(new_scale=FP16_SCALE)
     optimizer.zero_grad(set_to_none=True)
@@ -72,7 +75,17 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     parameter), without that step: a fake step costs a second or two, and a
     first training step gave the same peak as this, to within 136 bytes, over
     FSDP1 and FSDP2, every sharding, checkpointing and precision, with and
-    without gradient accumulation."""
+    without gradient accumulation. Another optimizer (a workload's own) takes one
+    step on zero gradients, which makes whatever state it keeps."""
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam) or any(
+            g.get("amsgrad") for g in optimizer.param_groups):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad:

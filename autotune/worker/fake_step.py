@@ -53,7 +53,7 @@ from autotune.worker.fake_mode_support import (
 from autotune.worker.fsdp import build_mesh, make_grad_scaler, parallelize
 from autotune.worker.models import block_count, build_model, model_block_pattern
 from autotune.worker.step_moments import StepMoments
-from autotune.worker.train import make_optimizer
+from autotune.worker.step_recipe import recipe_for
 from autotune.worker.work_counter import WorkCounter, optimizer_numel
 
 
@@ -83,23 +83,24 @@ def estimate(model: str, world_size: int, nnodes: int, seq_len: int, cfg: FsdpCo
         num_params, trainable = built.count_parameters()
         shapes = frozenset(tuple(p.shape) for p in built.module.parameters())
         wrapped = parallelize(built.module, built.layers, cfg.to_dict(), torch.device("cpu"), mesh)
-        optimizer = make_optimizer(wrapped)
+        recipe = recipe_for(model, built.vocab_size, seq_len)
+        optimizer = recipe.make_optimizer(wrapped)
         scaler = make_grad_scaler(cfg.mixed_precision, torch.device("cpu"))
-        tokens = torch.randint(0, built.vocab_size, (cfg.micro_batch_size, seq_len))
+        batch = recipe.batch(cfg.micro_batch_size, torch.device("cpu"), 0)
         # The step measured is a steady one: its optimizer state exists before it starts.
         create_optimizer_state(optimizer)
         moments = StepMoments(wrapped, optimizer, built.layers).watch(micro_batches)
         tracker = BreakdownTracker(moments, fake_mode, block_period(cfg, model_block_pattern(model)), offloaded)
         counter = WorkCounter(moments, cfg.micro_batch_size, seq_len, nnodes, shapes) if count_work else None
         with moments.saved_tensors_hooks(), tracker, counter or contextlib.nullcontext():
-            fake_train_step(wrapped, optimizer, tokens, scaler, micro_batches)
+            fake_train_step(wrapped, optimizer, recipe, batch, scaler, micro_batches)
         moments.remove()
     result = {"peak_bytes": tracker.peak_bytes, "breakdown": tracker.breakdown, "moments": tracker.moment_figures(),
               "method": EstimateMethod(), "seconds": round(time.perf_counter() - start, 3), "num_params": num_params}
     if counter is not None:
         result["work"] = counter.step_work(len(built.layers), micro_batches, optimizer_numel(optimizer),
                                            num_params, trainable).to_dict()
-    del tracker, counter, moments, optimizer, wrapped, built, tokens
+    del tracker, counter, moments, optimizer, wrapped, built, batch
     gc.collect()
     return result
 

@@ -70,7 +70,7 @@ def block_count(model: str) -> int | None:
     """How many repeated blocks a preset or config.json model has (None for a
     ``module:function`` factory, whose depth only its code knows)."""
     spec = parse_model_spec(model)
-    if spec.kind == "factory":
+    if spec.kind in ("factory", "workload"):
         return None
     count = getattr(_transformers_config(spec), "num_hidden_layers", None)
     return int(count) if isinstance(count, int) else None
@@ -80,7 +80,7 @@ def model_block_pattern(model: str) -> BlockPattern:
     """How a preset or config.json model's blocks repeat (:mod:`autotune.worker.block_pattern`); a
     ``module:function`` factory's are taken as alike."""
     spec = parse_model_spec(model)
-    if spec.kind == "factory":
+    if spec.kind in ("factory", "workload"):
         return UNIFORM
     return block_pattern(_transformers_config(spec))
 
@@ -88,7 +88,7 @@ def model_block_pattern(model: str) -> BlockPattern:
 def is_mixture_of_experts(model: str) -> bool:
     """Whether a preset or config.json model routes tokens to experts (False for a factory: unknown)."""
     spec = parse_model_spec(model)
-    if spec.kind == "factory":
+    if spec.kind in ("factory", "workload"):
         return False
     config = _transformers_config(spec)
     return any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1
@@ -113,6 +113,10 @@ def import_model_code(model: str) -> None:
     spec = parse_model_spec(model)
     if spec.kind == "factory":
         importlib.import_module(spec.value.partition(":")[0])
+    elif spec.kind == "workload":
+        from autotune.worker.workload_loader import load_workload
+
+        load_workload(spec.value)
     else:
         _causal_lm_class(_transformers_config(spec))
 
@@ -153,6 +157,8 @@ def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str =
     ``lora`` freezes the base weights and adds adapters (see :func:`apply_lora`).
     """
     spec = parse_model_spec(model)
+    if spec.kind == "workload":
+        return _build_workload(spec.value, device, num_blocks, lora)
     with parameters_on_meta() if device == "meta" else torch.device(device):
         if spec.kind == "factory":
             module_name, _, function_name = spec.value.partition(":")
@@ -185,6 +191,31 @@ def build_model(model: str, layer_cls_names: tuple[str, ...] = (), device: str =
         module, targets = apply_lora(module, lora)
     return BuiltModel(module=module, vocab_size=int(vocab_size), layers=layers, layer_classes=names,
                       lora_targets=targets)
+
+
+def _build_workload(reference: str, device: str, num_blocks: int | None, lora: LoraSpec | None) -> BuiltModel:
+    """A workload's model (:mod:`autotune.workload`), with its blocks; a ValueError says what is wrong with it."""
+    from autotune.worker.workload_loader import load_workload
+
+    workload = load_workload(reference)
+    with parameters_on_meta() if device == "meta" else torch.device(device):
+        try:
+            module = workload.build_model(num_blocks=num_blocks)
+        except Exception as exc:  # noqa: BLE001 - the user's code may raise anything
+            raise ValueError(f"build_model(num_blocks={num_blocks}) raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"build_model returned {type(module).__name__}, not a torch.nn.Module")
+    names = tuple(c.__name__ for c in workload.blocks)
+    layers = [m for m in module.modules() if isinstance(m, tuple(workload.blocks))]
+    if not layers:
+        present = sorted({type(m).__name__ for m in module.modules()})
+        raise ValueError(f"blocks {list(names)} are not in the model built; its module classes include {present[:10]}")
+    if num_blocks is not None and len(layers) != num_blocks:
+        raise ValueError(f"build_model(num_blocks={num_blocks}) built {len(layers)} blocks; build as many as asked")
+    targets = None
+    if lora is not None:
+        module, targets = apply_lora(module, lora)
+    return BuiltModel(module=module, vocab_size=0, layers=layers, layer_classes=names, lora_targets=targets)
 
 
 def apply_lora(module: nn.Module, lora: LoraSpec) -> tuple[nn.Module, list[str]]:

@@ -188,6 +188,17 @@ def hidden_size(module) -> int | None:
     return None
 
 
+def block_width(layers) -> int | None:
+    """A model without a config's width: what its first block's first linear layer takes in (a workload's)."""
+    import torch
+
+    for layer in layers[:1]:
+        for sub in layer.modules():
+            if isinstance(sub, torch.nn.Linear):
+                return int(sub.in_features)
+    return None
+
+
 def size_units(module, block, thresholds: tuple[int, ...]) -> dict[str, list[int]]:
     """For each size-based threshold, the parameters of the units inside one block, in order: what the step-time
     model shards a block into (autotune.worker.fsdp.size_based_units)."""
@@ -201,18 +212,60 @@ def size_units(module, block, thresholds: tuple[int, ...]) -> dict[str, list[int
     return found
 
 
+def check_step(reference: str) -> dict:
+    """Run the workload's step once on fake tensors (no memory, no time): its batch, a scalar loss, a backward.
+    A WorkloadError says what is wrong; the answer says what the probe reports of it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autotune.worker.models import build_model
+    from autotune.worker.workload_loader import WorkloadError, load_workload
+
+    workload = load_workload(reference)
+    model_ref = f"workload:{reference}"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        built = build_model(model_ref, device="cpu")
+        try:
+            batch = workload.make_batch(1, torch.device("cpu"), torch.Generator().manual_seed(0))
+        except Exception as exc:  # noqa: BLE001 - the user's code may raise anything
+            raise WorkloadError(f"make_batch(1, cpu, generator) raised {type(exc).__name__}: {exc}") from None
+        try:
+            loss = workload.loss(built.module, batch)
+        except Exception as exc:  # noqa: BLE001
+            raise WorkloadError(f"loss(model, batch) raised {type(exc).__name__}: {exc}") from None
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise WorkloadError(f"loss(model, batch) returned {shape}, not a scalar floating-point tensor")
+        if not loss.requires_grad:
+            raise WorkloadError("loss(model, batch) does not depend on any parameter that trains")
+    depth = len(built.layers)
+    shallow = min(2, depth)
+    try:
+        build_model(model_ref, num_blocks=shallow)
+        builds_at_any_depth = True
+    except ValueError:
+        builds_at_any_depth = False
+    return {"unit": workload.unit, "units_per_sample": workload.units_per_sample,
+            "builds_at_any_depth": builds_at_any_depth and depth > 1}
+
+
 def describe_model(model: str, wrap_class: tuple[str, ...], min_num_params: tuple[int, ...] = ()) -> dict:
+    from autotune.presets import WORKLOAD_PREFIX
     from autotune.worker.block_pattern import UNIFORM, block_pattern
     from autotune.worker.models import build_model
 
     built = build_model(model, wrap_class)
     config = getattr(built.module, "config", None)
     pattern = block_pattern(config) if config is not None else UNIFORM
+    step: dict = {}
+    if model.startswith(WORKLOAD_PREFIX):
+        step = check_step(model[len(WORKLOAD_PREFIX):])
     return {
+        **step,
         "size_units": size_units(built.module, built.layers[0], min_num_params) if len(built.layers) else {},
         "block_period": pattern.period,
         "block_prefix": pattern.prefix,
-        "hidden_size": hidden_size(built.module),
+        "hidden_size": hidden_size(built.module) or block_width(built.layers),
         "num_params": sum(p.numel() for p in built.module.parameters()),
         "layer_classes": list(built.layer_classes),
         "num_layers": len(built.layers),

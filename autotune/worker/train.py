@@ -11,7 +11,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from autotune.stats import relative_median_ci95
 from autotune.worker.measure import LiveStorageTracker, add_run_figures, cap_allocator, cap_in_force, \
     outside_allocator
 from autotune.worker.runtime import Rank, synchronize
+from autotune.worker.step_recipe import StepRecipe, batch_device
 
 
 # Timing stops on convergence no earlier than this many steps: fewer give no
@@ -30,39 +31,36 @@ from autotune.worker.runtime import Rank, synchronize
 MIN_TIMED_STEPS = 3
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW over the parameters that train: frozen ones (LoRA's base) get no state."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+def clip_gradients(model: nn.Module, max_norm: float) -> None:
+    """Clip the gradients' global norm, as a user's loop does under FSDP: FSDP1's own method reduces the norm
+    over every rank's shards; FSDP2's gradients are DTensors, whose norm torch's utility reduces."""
+    clip = getattr(model, "clip_grad_norm_", None)
+    if clip is not None:
+        clip(max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
 
 
-def make_batch(vocab_size: int, micro_batch_size: int, seq_len: int, device: torch.device, seed: int) -> torch.Tensor:
-    """Synthetic tokens: throughput and memory do not depend on what the tokens say."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (micro_batch_size, seq_len), generator=generator).to(device)
-
-
-def forward_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """The language-modelling loss, from a transformers output or a bare loss."""
-    output = model(input_ids=tokens, labels=tokens)
-    return output.loss if hasattr(output, "loss") else output
-
-
-def accumulate(model: nn.Module, tokens: torch.Tensor, micro_batches: int, scaler) -> torch.Tensor:
+def accumulate(model: nn.Module, recipe: StepRecipe, batch: Any, micro_batches: int, scaler) -> torch.Tensor:
     """Forward and backward over ``micro_batches`` micro batches, gradients synced
     across ranks on the last one only; returns the mean loss."""
-    total = torch.zeros((), device=tokens.device)
+    total = torch.zeros((), device=batch_device(batch))
     for i in range(micro_batches):
         with gradient_sync(model, enabled=i == micro_batches - 1):
-            loss = forward_loss(model, tokens) / micro_batches
+            loss = recipe.loss(model, batch) / micro_batches
             (loss if scaler is None else scaler.scale(loss)).backward()
         total += loss.detach()
     return total
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, recipe: StepRecipe, batch: Any, scaler,
                micro_batches: int = 1) -> torch.Tensor:
     """One optimizer step: the training step of a user's loop, and nothing else."""
-    loss = accumulate(model, tokens, micro_batches, scaler)
+    loss = accumulate(model, recipe, batch, micro_batches, scaler)
+    if recipe.clip_grad_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        clip_gradients(model, recipe.clip_grad_norm)
     if scaler is None:
         optimizer.step()
     else:
@@ -81,15 +79,15 @@ class Trainer:
     fall), and skipped steps are neither timed nor used to measure memory.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, scaler,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, recipe: StepRecipe, batch: Any, scaler,
                  micro_batches: int = 1) -> None:
-        self.model, self.optimizer, self.tokens, self.scaler = model, optimizer, tokens, scaler
+        self.model, self.optimizer, self.recipe, self.batch, self.scaler = model, optimizer, recipe, batch, scaler
         self.micro_batches = micro_batches
         self._scale = scaler.get_scale() if scaler is not None else None
         self.loss: torch.Tensor | None = None
 
     def step(self) -> bool:
-        self.loss = train_step(self.model, self.optimizer, self.tokens, self.scaler, self.micro_batches)
+        self.loss = train_step(self.model, self.optimizer, self.recipe, self.batch, self.scaler, self.micro_batches)
         if self.scaler is None:
             return True
         scale = self.scaler.get_scale()  # a host read: the step has finished
@@ -127,14 +125,15 @@ def _max_across_ranks(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def measure(model: nn.Module, request: TrialRequest, vocab_size: int, rank: Rank) -> Measurement:
+def measure(model: nn.Module, request: TrialRequest, recipe: StepRecipe, rank: Rank) -> Measurement:
     """The trial's schedule: untimed warm-up steps, one memory step, then timed steps
     (see :func:`time_steps`). A hopeless first step ends it early. A shallow copy
     measures its memory too: the driver extends the copies' peaks to full depth."""
     device, cfg = rank.device, request.fsdp
-    optimizer = make_optimizer(model)
-    tokens = make_batch(vocab_size, cfg.micro_batch_size, request.seq_len, device, request.seed + rank.rank)
-    trainer = Trainer(model, optimizer, tokens, make_grad_scaler(cfg.mixed_precision, device), request.grad_accum_steps)
+    optimizer = recipe.make_optimizer(model)
+    batch = recipe.batch(cfg.micro_batch_size, device, request.seed + rank.rank)
+    trainer = Trainer(model, optimizer, recipe, batch, make_grad_scaler(cfg.mixed_precision, device),
+                      request.grad_accum_steps)
     result = Measurement()
     per_step = request.tokens_per_step(rank.world_size)
 
