@@ -81,6 +81,15 @@ def test_workload_flags_that_contradict_each_other_are_refused(args, words, tmp_
         assert word in lines[0]
 
 
+def _assert_estimates_hold(launched, block: str) -> None:
+    """Each launch the estimate judged: its measured tensor peak within 5% of the estimate, its blocks wrapped."""
+    assert launched
+    for t in launched:
+        ratio = t.user_attrs[Attr.TENSOR_PEAK_BYTES] / t.user_attrs[Attr.PREDICTED_PEAK_BYTES]
+        assert ratio == pytest.approx(1.0, abs=0.05), (t.user_attrs[Attr.LABEL], ratio)
+        assert t.user_attrs[Attr.CONFIG]["transformer_layer_cls"] == [block]
+
+
 def _launched(tmp_path):
     storage = f"sqlite:///{tmp_path / 'studies' / 'autotune.db'}"
     study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
@@ -100,10 +109,7 @@ def test_a_vision_transformer_is_tuned_in_images_per_second_and_its_estimates_ho
     assert "images/s" in (tmp_path / "studies" / "vit_images-w2-s1-90MB" / "run.log").read_text()
     study, launched = _launched(tmp_path)
     assert len(launched) >= 2
-    for t in launched:
-        ratio = t.user_attrs[Attr.TENSOR_PEAK_BYTES] / t.user_attrs[Attr.PREDICTED_PEAK_BYTES]
-        assert ratio == pytest.approx(1.0, abs=0.05), (t.user_attrs[Attr.LABEL], ratio)
-        assert t.user_attrs[Attr.CONFIG]["transformer_layer_cls"] == ["Block"]
+    _assert_estimates_hold(launched, "Block")
     exported = json.loads((tmp_path / "studies" / "vit_images-w2-s1-90MB" / "best_config.json").read_text())
     assert exported["model"] == f"workload:{VIT}"
     # A study never resumes under another workload.
@@ -122,11 +128,7 @@ def test_a_causal_lm_with_its_own_loss_optimizer_and_clipping_trains_and_is_esti
                    cwd=tmp_path, forks=forks, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens/s" in done.stdout
-    _, launched = _launched(tmp_path)
-    assert launched
-    for t in launched:
-        ratio = t.user_attrs[Attr.TENSOR_PEAK_BYTES] / t.user_attrs[Attr.PREDICTED_PEAK_BYTES]
-        assert ratio == pytest.approx(1.0, abs=0.05), (t.user_attrs[Attr.LABEL], ratio)
+    _assert_estimates_hold(_launched(tmp_path)[1], "LlamaDecoderLayer")
 
     from autotune.config import FsdpConfig, TrialRequest
     from autotune.launch.launcher import launch_trial
@@ -147,9 +149,4 @@ def test_an_encoder_decoder_is_tuned_and_estimated(tmp_path, forks):
                    forks=forks, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "workload t5_encoder_decoder, 160 tokens a sample" in done.stderr
-    _, launched = _launched(tmp_path)
-    assert launched
-    for t in launched:
-        ratio = t.user_attrs[Attr.TENSOR_PEAK_BYTES] / t.user_attrs[Attr.PREDICTED_PEAK_BYTES]
-        assert ratio == pytest.approx(1.0, abs=0.05), (t.user_attrs[Attr.LABEL], ratio)
-        assert t.user_attrs[Attr.CONFIG]["transformer_layer_cls"] == ["T5Block"]
+    _assert_estimates_hold(_launched(tmp_path)[1], "T5Block")
