@@ -404,6 +404,8 @@ def cmd_trials(args: argparse.Namespace) -> int:
     from autotune.outputs.tables import skipped_table, trial_record, trials_table
     from autotune.study.record import StudyAttr
 
+    from autotune.units import study_rate
+
     study = _open_study(args)
     budget = study.user_attrs.get(StudyAttr.IDENTITY, {}).get("budget_bytes")
     records = [trial_record(t, budget) for t in study.get_trials(deepcopy=False)]
@@ -413,7 +415,7 @@ def cmd_trials(args: argparse.Namespace) -> int:
                           "skipped_as_slow": skipped}, indent=2))
     else:
         print(f"Study {study.study_name} (budget {study.user_attrs.get(StudyAttr.BUDGET)}): {len(records)} trials")
-        print(trials_table(records))
+        print(trials_table(records, study_rate(study)))
         if skipped:
             print()
             print(skipped_table(skipped))

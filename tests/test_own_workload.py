@@ -116,6 +116,15 @@ def test_a_vision_transformer_is_tuned_in_images_per_second_and_its_estimates_ho
     study, launched = _launched(tmp_path)
     assert len(launched) >= 2
     _assert_estimates_hold(launched, "Block")
+    # Every output counts in the workload's unit: the trials table, the dashboard's note, the report.
+    from autotune.outputs.dashboard import study_note
+    from autotune.outputs.html_report import build_report
+
+    listed = run_cli("trials", cwd=tmp_path, timeout=120)
+    assert listed.returncode == 0 and "images/s" in listed.stdout.splitlines()[1], listed.stdout[:500]
+    assert "Objective: images/s (maximize)" in study_note(study) and "tokens/s" not in study_note(study)
+    report = build_report(study).replace("\\u002f", "/")  # plotly's JSON writes a slash escaped
+    assert "images/s" in report and "tokens/s" not in report
     exported = json.loads((tmp_path / "studies" / "vit_images-w2-s1-90MB" / "best_config.json").read_text())
     assert exported["model"] == f"workload:{VIT}"
     # A study never resumes under another workload.

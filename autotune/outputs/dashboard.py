@@ -7,23 +7,24 @@ import optuna
 from autotune.errors import UsageError
 from autotune.study.record import Attr, StudyAttr, winner
 from autotune.study.verdict import Verdict, read_verdict
-from autotune.units import format_bytes
+from autotune.units import format_bytes, study_rate
 
 
 def study_note(study: optuna.Study) -> str:
     """Markdown for the dashboard's study note: budget, best configuration, how to use it."""
     identity = study.user_attrs.get(StudyAttr.IDENTITY, {})
     budget = identity.get("budget_bytes")
+    rate = study_rate(study)
     lines = [
         "## autotune",
         f"Model `{identity.get('model')}`, {identity.get('nproc')} ranks, seq len {identity.get('seq_len')}, "
         f"budget **{study.user_attrs.get(StudyAttr.BUDGET)}** ({format_bytes(budget) if budget else '?'}) per rank. "
-        "Objective: tokens/s (maximize). Over-budget and out-of-memory trials are infeasible "
+        f"Objective: {rate} (maximize). Over-budget and out-of-memory trials are infeasible "
         "(constraint: peak memory - budget).",
     ]
     plan = study.user_attrs.get(StudyAttr.TRIAL_DEPTH) or {}
     if plan.get("depths"):
-        lines.append("\nSearch trials are **extrapolated**: tokens/s timed on shallow copies of "
+        lines.append(f"\nSearch trials are **extrapolated**: {rate} timed on shallow copies of "
                      f"{' and '.join(map(str, plan['depths']))} blocks and extended to the model's "
                      f"{plan.get('full_depth')} (user attribute `extrapolated`), peak memory from the full-depth "
                      "estimate; the confirmation rounds run the model at full depth.")
@@ -32,12 +33,12 @@ def study_note(study: optuna.Study) -> str:
     if best is None:
         lines.append("\nNo feasible trial yet.")
     elif verdict:
-        lines += confirmation_lines(verdict)
+        lines += confirmation_lines(verdict, rate)
     else:
         peak = best.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0)
         how = " (extrapolated from shallow copies; peak estimated)" if best.user_attrs.get(Attr.EXTRAPOLATED) else ""
         lines += [
-            f"\n**Best so far: trial {best.number}**: {best.value:,.0f} tokens/s, peak {format_bytes(peak)}{how}.",
+            f"\n**Best so far: trial {best.number}**: {best.value:,.0f} {rate}, peak {format_bytes(peak)}{how}.",
             f"\n`{best.user_attrs.get(Attr.LABEL)}`",
             "\n```json",
             *[f"{k}: {v}" for k, v in sorted(best.user_attrs.get(Attr.CONFIG, {}).items())],
@@ -47,14 +48,14 @@ def study_note(study: optuna.Study) -> str:
     return "\n".join(lines)
 
 
-def confirmation_lines(verdict: Verdict) -> list[str]:
+def confirmation_lines(verdict: Verdict, rate: str = "tokens/s") -> list[str]:
     """The confirmed winner, its ties and the references, as the note shows them."""
     w = verdict.winner
     lines = [f"\n**Confirmed best** ({verdict.rounds} interleaved rounds of fresh trials, tagged "
-             f"`confirmation_round`): `{w.label}`: {w.mean:,.0f} tokens/s, peak "
+             f"`confirmation_round`): `{w.label}`: {w.mean:,.0f} {rate}, peak "
              f"{format_bytes(w.peak_memory_bytes or 0)}."]
     for tie in verdict.ties:
-        lines.append(f"\n- tie: `{tie.label}`: {tie.mean:,.0f} tokens/s, peak "
+        lines.append(f"\n- tie: `{tie.label}`: {tie.mean:,.0f} {rate}, peak "
                      f"{format_bytes(tie.peak_memory_bytes or 0)}")
     for role, ref in verdict.references.items():
         name = role.value.replace('_', ' ')

@@ -14,7 +14,7 @@ from autotune.study.record import (
     CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_extrapolated, is_feasible, trial_config, value_of,
 )  # fmt: skip
 from autotune.study.verdict import Verdict, part_text, read_verdict
-from autotune.units import format_bytes
+from autotune.units import format_bytes, study_rate
 
 FEASIBLE = "#1f77b4"
 # How a trial extended from shallow copies is marked (its peak is the full-depth estimate's).
@@ -49,7 +49,7 @@ def log_range(values: list[float], pad: float = 0.15) -> list[float]:
     return [math.log10(min(values)) - pad, math.log10(max(values)) + pad]
 
 
-def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
+def speed_memory_figure(trials: list[FrozenTrial], budget: int | None, rate: str = "tokens/s"):
     import plotly.graph_objects as go
 
     fig = go.Figure()
@@ -61,7 +61,7 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
             mode="markers", name=name, marker={"color": color, "size": 9},
             text=[f"#{t.number} {t.user_attrs.get(Attr.LABEL)}{EXTRAPOLATED_NOTE if is_extrapolated(t) else ''}"
                   for t in group],
-            hovertemplate="%{text}<br>%{y:,.0f} tok/s, %{x:.3g} GiB<extra></extra>",
+            hovertemplate="%{text}<br>%{y:,.0f} " + rate + ", %{x:.3g} GiB<extra></extra>",
         ))
     front = pareto_front([(t.user_attrs[Attr.PEAK_MEMORY_BYTES] / 2**30, value_of(t), t.number)
                           for t in trials if is_feasible(t) and t.user_attrs.get(Attr.PEAK_MEMORY_BYTES)])
@@ -83,11 +83,11 @@ def speed_memory_figure(trials: list[FrozenTrial], budget: int | None):
     if log_axis and budget:
         fig.update_xaxes(type="log", range=log_range([p / 2**30 for p in peaks] + [budget / 2**30]))
     fig.update_layout(title="Tokens/s against peak memory per rank", xaxis_title="peak memory per rank (GiB)",
-                      yaxis_title="tokens/s", legend={"orientation": "h", "y": -0.2})
+                      yaxis_title=rate, legend={"orientation": "h", "y": -0.2})
     return fig
 
 
-def history_figure(study: optuna.Study):
+def history_figure(study: optuna.Study, rate: str = "tokens/s"):
     import plotly.graph_objects as go
 
     trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
@@ -103,7 +103,7 @@ def history_figure(study: optuna.Study):
                              marker={"color": [FEASIBLE if is_feasible(t) else INFEASIBLE for t in trials]}))
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="best feasible so far", line={"shape": "hv",
                                                                                           "color": "#d62728"}))
-    fig.update_layout(title="Optimization history", xaxis_title="trial", yaxis_title="tokens/s")
+    fig.update_layout(title="Optimization history", xaxis_title="trial", yaxis_title=rate)
     return fig
 
 
@@ -142,12 +142,12 @@ def importance_figure(study: optuna.Study):
     return fig, None
 
 
-def top_table(trials: list[FrozenTrial], limit: int = 10):
+def top_table(trials: list[FrozenTrial], limit: int = 10, rate: str = "tokens/s"):
     import plotly.graph_objects as go
 
     best = sorted((t for t in trials if is_feasible(t)), key=lambda t: -value_of(t))[:limit]
     fig = go.Figure(go.Table(
-        header={"values": ["#", "tokens/s", "peak", "configuration"], "align": "left"},
+        header={"values": ["#", rate, "peak", "configuration"], "align": "left"},
         cells={"values": [[t.number for t in best],
                           [f"{'~' if is_extrapolated(t) else ''}{t.value:,.0f}" for t in best],
                           [format_bytes(t.user_attrs.get(Attr.PEAK_MEMORY_BYTES, 0)) for t in best],
@@ -158,7 +158,7 @@ def top_table(trials: list[FrozenTrial], limit: int = 10):
     return fig
 
 
-def confirmation_figure(verdict: Verdict | None):
+def confirmation_figure(verdict: Verdict | None, rate: str = "tokens/s"):
     """The confirmation round: each configuration's mean over the rounds, with its 95% CI."""
     import plotly.graph_objects as go
 
@@ -172,8 +172,8 @@ def confirmation_figure(verdict: Verdict | None):
     lower = [(e.mean - e.ci95[0]) if e.ci95[0] is not None else 0 for e in entries]
     fig = go.Figure(go.Bar(x=means, y=names, orientation="h", marker={"color": FEASIBLE},
                            error_x={"type": "data", "array": upper, "arrayminus": lower}))
-    fig.update_layout(title=f"Confirmation: mean tokens/s over {verdict.rounds} interleaved rounds (95% CI)",
-                      xaxis_title="tokens/s", height=160 + 40 * len(entries), yaxis={"autorange": "reversed"})
+    fig.update_layout(title=f"Confirmation: mean {rate} over {verdict.rounds} interleaved rounds (95% CI)",
+                      xaxis_title=rate, height=160 + 40 * len(entries), yaxis={"autorange": "reversed"})
     return fig
 
 
@@ -198,9 +198,10 @@ def build_report(study: optuna.Study) -> str:
     """The whole report as one HTML string."""
     trials = _measured(study)
     budget = study.user_attrs.get(StudyAttr.IDENTITY, {}).get("budget_bytes")
-    figures = [speed_memory_figure(trials, budget), history_figure(study), dimension_figure(trials)]
+    rate = study_rate(study)
+    figures = [speed_memory_figure(trials, budget, rate), history_figure(study, rate), dimension_figure(trials)]
     importance, importance_note = importance_figure(study)
-    figures += [importance, top_table(trials), confirmation_figure(read_verdict(study)),
+    figures += [importance, top_table(trials, rate=rate), confirmation_figure(read_verdict(study), rate),
                 excluded_table(study.user_attrs.get(StudyAttr.EXCLUDED))]
     parts, first = [], True
     for fig in figures:

@@ -79,7 +79,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], right: S
     return "\n".join(lines)
 
 
-def trials_table(records: list[dict[str, Any]]) -> str:
+def trials_table(records: list[dict[str, Any]], rate: str = "tokens/s") -> str:
     rows = []
     for r in records:
         # "~": extended from shallow copies; the peak is then the full-depth estimate's.
@@ -99,7 +99,7 @@ def trials_table(records: list[dict[str, Any]]) -> str:
                 f"; {note}" if note else "")
         predicted = f"{r['predicted_tokens_per_s']:,.0f}" if r.get("predicted_tokens_per_s") else "-"
         rows.append([r["number"], r["outcome"], tps, predicted, peak, r["label"] or "-", note])
-    return format_table(["#", "outcome", "tokens/s", "predicted", "peak", "configuration", "note"], rows,
+    return format_table(["#", "outcome", rate, "predicted", "peak", "configuration", "note"], rows,
                         right=(0, 2, 3, 4))
 
 

@@ -160,6 +160,8 @@ def study_identity(settings: RunSettings) -> dict[str, Any]:
         # A LoRA study never resumes a full one, nor one of another rank or targets.
         "lora": settings.study.lora.to_dict() if settings.study.lora is not None else None,
         "trial_depth": str(settings.study.trial_depth) if settings.study.trial_depth is not None else None,
+        # Stored beside the identity, not compared: the workload (the model) decides it. What outputs read back.
+        "unit": settings.study.unit,
     }
 
 
