@@ -402,9 +402,7 @@ def _open_study(args: argparse.Namespace):
 
 def cmd_trials(args: argparse.Namespace) -> int:
     from autotune.outputs.tables import skipped_table, trial_record, trials_table
-    from autotune.study.record import StudyAttr
-
-    from autotune.units import study_rate
+    from autotune.study.record import StudyAttr, study_rate
 
     study = _open_study(args)
     budget = study.user_attrs.get(StudyAttr.IDENTITY, {}).get("budget_bytes")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from autotune.errors import UsageError
 
@@ -60,12 +59,6 @@ def format_bytes(size: float) -> str:
             return f"{sign}{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-def study_rate(study: Any, short: bool = False) -> str:
-    """How a stored study's throughput is written: its workload's unit (stored with its identity), else tokens."""
-    identity = study.user_attrs.get("identity") or {}
-    return rate_unit(identity.get("unit") or "tokens", short)
 
 
 def rate_unit(unit: str = "tokens", short: bool = True) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import optuna
 
 from autotune.errors import UsageError
-from autotune.study.record import Attr, StudyAttr, winner
+from autotune.study.record import Attr, StudyAttr, study_rate, winner
 from autotune.study.verdict import Verdict, read_verdict
-from autotune.units import format_bytes, study_rate
+from autotune.units import format_bytes
 
 
 def study_note(study: optuna.Study) -> str:

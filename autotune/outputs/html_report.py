@@ -11,10 +11,11 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.config import DIMENSIONS
 from autotune.study.record import (
-    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_extrapolated, is_feasible, trial_config, value_of,
+    CONSTRAINT_KEY, Attr, StudyAttr, is_confirmation, is_extrapolated, is_feasible, study_rate, trial_config,
+    value_of,
 )  # fmt: skip
 from autotune.study.verdict import Verdict, part_text, read_verdict
-from autotune.units import format_bytes, study_rate
+from autotune.units import format_bytes
 
 FEASIBLE = "#1f77b4"
 # How a trial extended from shallow copies is marked (its peak is the full-depth estimate's).

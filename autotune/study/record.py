@@ -20,6 +20,7 @@ import json
 import re
 from typing import Any
 
+from autotune.units import rate_unit
 from autotune.config import Choice, FsdpConfig, Status, TrialResult
 from autotune.study.margin import Sample
 from autotune.study.optuna_internals import set_system_attr
@@ -376,3 +377,9 @@ def crash_signature(error: str | None) -> str:
     in one trial and on rank 1 in the next is the same fault."""
     first = re.sub(r"^rank \d+ failed: ", "", first_line(error))
     return re.sub(r"\brank \d+\b", "rank ?", first)
+
+
+def study_rate(study: Any, short: bool = False) -> str:
+    """How a stored study's throughput is written: its workload's unit (stored with its identity), else tokens."""
+    identity = study.user_attrs.get(StudyAttr.IDENTITY) or {}
+    return rate_unit(identity.get("unit") or "tokens", short)
