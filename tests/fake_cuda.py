@@ -229,12 +229,10 @@ class _OnDevice(TorchFunctionMode):
         target = _moves_to(func, args, kwargs)
         if target is not None and isinstance(args[0], torch.Tensor):
             source = args[0]
-            if (source in _MOVED) == (target == "cuda"):
-                rest = tuple(a for a in args[1:] if not isinstance(a, (str, torch.device)))
-                kwargs.pop("device", None)
-                return func(source, *rest, **kwargs) if func is torch.Tensor.to else source
             rest = tuple(a for a in args[1:] if not isinstance(a, (str, torch.device)))
             kwargs.pop("device", None)
+            if (source in _MOVED) == (target == "cuda"):
+                return func(source, *rest, **kwargs) if func is torch.Tensor.to else source
             kwargs.pop("non_blocking", None)
             moved = torch.Tensor.to(source, *rest, **kwargs) if func is torch.Tensor.to else source
             moved = moved.clone() if moved is source else moved

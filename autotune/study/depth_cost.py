@@ -19,6 +19,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from autotune.depth import DepthPoint, fit_line
+
 
 @dataclass(frozen=True)
 class TrialCost:
@@ -57,16 +59,16 @@ def measured_cost(points: Sequence[Mapping[str, Any]], phases: Mapping[str, floa
                   timing_budget_s: float | None = None) -> TrialCost | None:
     """The cost a shallow trial measured: its ``phases`` (summed over its copies) and its copies' ``points``
     (``depth``, ``step_time_s``, ``timed_steps``); None without two timed copies or the phases."""
-    timed = sorted((p for p in points if p.get("step_time_s")), key=lambda p: p["depth"])
-    if len(timed) < 2 or "launch_and_import_s" not in phases:
+    timed = [DepthPoint.from_dict(p) for p in points if p.get("step_time_s")]
+    if len({p.depth for p in timed}) < 2 or "launch_and_import_s" not in phases:
         return None
-    (d0, t0), (d1, t1) = (timed[0]["depth"], timed[0]["step_time_s"]), (timed[-1]["depth"], timed[-1]["step_time_s"])
-    slope = max(0.0, (t1 - t0) / (d1 - d0))
-    intercept = max(0.0, t0 - slope * d0)
-    steps_s = sum(p["step_time_s"] for p in timed)
+    # The line the study extends (autotune.depth), through every copy timed.
+    intercept, slope = fit_line(timed)
+    slope, intercept = max(0.0, slope), max(0.0, intercept)
+    steps_s = sum(p.step_time_s for p in timed)
     one_off = phases.get("build_s", 0.0) + phases.get("wrap_s", 0.0) + phases.get("first_step_s", 0.0) - steps_s
     return TrialCost(
         job_s=phases["launch_and_import_s"], copy_s=max(0.0, one_off) / len(timed),
         fixed_step_s=intercept, block_step_s=slope,
         warmup_steps=max(0.0, (phases.get("warmup_s", 0.0) - phases.get("first_step_s", 0.0)) / steps_s),
-        timed_steps=statistics.mean(p.get("timed_steps") or 0 for p in timed), timing_budget_s=timing_budget_s)
+        timed_steps=statistics.mean(p.timed_steps or 0 for p in timed), timing_budget_s=timing_budget_s)

@@ -48,9 +48,14 @@ def layer_kinds(config: Any) -> list[tuple[Any, ...]] | None:
     return [(attention[i] if attention else None, experts[i], rope[i] if rope else None) for i in range(n)]
 
 
+def has_experts(config: Any) -> bool:
+    """Whether a transformers config routes tokens to experts (Mixtral, Qwen2-MoE, DeepSeek)."""
+    return any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1
+               for name in EXPERT_COUNT_NAMES)
+
+
 def _routes_to_experts(config: Any, i: int) -> bool:
-    if not any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1
-               for name in EXPERT_COUNT_NAMES):
+    if not has_experts(config):
         return False
     moe_layers = getattr(config, "moe_layers", None)
     if isinstance(moe_layers, (list, tuple)):
@@ -72,7 +77,7 @@ def block_pattern(config: Any) -> BlockPattern:
     model is one period)."""
     kinds = layer_kinds(config)
     if kinds is None:
-        return BlockPattern()
+        return UNIFORM
     n = len(kinds)
     best = BlockPattern(0, n)
     for prefix in range(n):

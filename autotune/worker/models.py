@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from autotune.worker.block_pattern import EXPERT_COUNT_NAMES, UNIFORM, BlockPattern, block_pattern
+from autotune.worker.block_pattern import UNIFORM, BlockPattern, block_pattern, has_experts
 from autotune.config import LoraSpec
 from autotune.presets import PRESETS, ModelSpec, parse_model_spec
 from autotune.worker.fsdp import find_layers
@@ -90,9 +90,7 @@ def is_mixture_of_experts(model: str) -> bool:
     spec = parse_model_spec(model)
     if spec.kind in ("factory", "workload"):
         return False
-    config = _transformers_config(spec)
-    return any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1
-               for name in EXPERT_COUNT_NAMES)
+    return has_experts(_transformers_config(spec))
 
 
 def _causal_lm_class(config):

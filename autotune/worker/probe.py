@@ -212,19 +212,19 @@ def size_units(module, block, thresholds: tuple[int, ...]) -> dict[str, list[int
     return found
 
 
-def check_step(reference: str) -> dict:
+def check_step(model: str) -> dict:
     """Run the workload's step once on fake tensors (no memory, no time): its batch, a scalar loss, a backward.
     A WorkloadError says what is wrong; the answer says what the probe reports of it."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from autotune.presets import parse_model_spec
     from autotune.worker.models import build_model
     from autotune.worker.workload_loader import WorkloadError, load_workload
 
-    workload = load_workload(reference)
-    model_ref = f"workload:{reference}"
+    workload = load_workload(parse_model_spec(model).value)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        built = build_model(model_ref, device="cpu")
+        built = build_model(model, device="cpu")
         try:
             batch = workload.make_batch(1, torch.device("cpu"), torch.Generator().manual_seed(0))
         except Exception as exc:  # noqa: BLE001 - the user's code may raise anything
@@ -241,7 +241,7 @@ def check_step(reference: str) -> dict:
     depth = len(built.layers)
     shallow = min(2, depth)
     try:
-        build_model(model_ref, num_blocks=shallow)
+        build_model(model, num_blocks=shallow)
         builds_at_any_depth = True
     except ValueError:
         builds_at_any_depth = False
@@ -250,16 +250,14 @@ def check_step(reference: str) -> dict:
 
 
 def describe_model(model: str, wrap_class: tuple[str, ...], min_num_params: tuple[int, ...] = ()) -> dict:
-    from autotune.presets import WORKLOAD_PREFIX
+    from autotune.presets import parse_model_spec
     from autotune.worker.block_pattern import UNIFORM, block_pattern
     from autotune.worker.models import build_model
 
     built = build_model(model, wrap_class)
     config = getattr(built.module, "config", None)
     pattern = block_pattern(config) if config is not None else UNIFORM
-    step: dict = {}
-    if model.startswith(WORKLOAD_PREFIX):
-        step = check_step(model[len(WORKLOAD_PREFIX):])
+    step = check_step(model) if parse_model_spec(model).kind == "workload" else {}
     return {
         **step,
         "size_units": size_units(built.module, built.layers[0], min_num_params) if len(built.layers) else {},
